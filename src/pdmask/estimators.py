@@ -1,0 +1,125 @@
+"""Divergence estimates D(π, μ) and the predictive direction G = ⟨∇_z D, e_a − π⟩ from PolicyStats.
+
+Notation (docs/method.md): S = TopK(μ) ∪ {a}; R = the rest bucket, π_R = 1 − Σ_S π, μ_R = 1 − Σ_S μ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pdmask.stats import PolicyStats
+
+KINDS = ("tv", "kl")
+INFOS = ("binary", "topk", "full")
+ESTIMATORS = ("full", "bucket", "tail")
+
+
+def divergence(stats: PolicyStats, kind: str, info: str) -> Tensor:
+    """D(π, μ) [...]: kind "tv" (½Σ|π−μ|) or "kl" (KL(μ‖π)); info "binary" | "topk" | "full"."""
+    _check_choice("kind", kind, KINDS)
+    _check_choice("info", info, INFOS)
+    if info == "binary":
+        pi, mu = stats.pi_a, stats.mu_a
+        if kind == "tv":
+            return (pi - mu).abs()
+        return _xlogy_ratio(mu, pi) + _xlogy_ratio(1 - mu, 1 - pi)
+    if info == "full":
+        full = _require_full(stats)
+        return full.tv if kind == "tv" else full.kl
+    b = _buckets(stats)
+    if kind == "tv":
+        return 0.5 * ((b.pi_s - b.mu_s).abs().sum(-1) + (b.pi_r - b.mu_r).abs())
+    set_terms = torch.where(b.mu_s > 0, b.mu_s * (b.mu_s.clamp_min(_tiny(b.mu_s)).log() - stats.set_logp), 0.0)
+    return set_terms.sum(-1) + _xlogy_ratio(b.mu_r, b.pi_r)
+
+
+def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
+    """G = ⟨∇_z D(π, μ), e_a − π⟩ [...]: the first-order change of D per unit step of token a's update.
+
+    KL: G = (π_a − μ_a) + ⟨μ,π⟩ − ‖π‖².  TV: G = ½[s_a π_a − Σ s_i π_i² + (‖π‖² − π_a) Σ s_i π_i].
+    ``full`` sums over the vocabulary; ``bucket`` applies the same forms to the K+1 categories S ∪ {R};
+    ``tail`` keeps the exact ‖π‖² and assumes μ's tail proportional to π's tail.
+    """
+    _check_choice("kind", kind, KINDS)
+    _check_choice("estimator", estimator, ESTIMATORS)
+    pi_a, mu_a = stats.pi_a, stats.mu_a
+    if estimator == "full":
+        full = _require_full(stats)
+        sq = _require_sq_norm(stats, estimator)
+        if kind == "kl":
+            return (pi_a - mu_a) + full.mu_dot_pi - sq
+        return _tv_form(torch.sign(pi_a - mu_a), pi_a, sq, full.sign_pi, full.sign_pi2)
+    b = _buckets(stats)
+    set_sq = b.pi_s.square().sum(-1)
+    if estimator == "bucket":
+        sq = set_sq + b.pi_r.square()
+        tail_sq = b.pi_r.square()
+    else:
+        sq = _require_sq_norm(stats, estimator)
+        # The tail's share of ‖π‖²; tokens outside S are all that is left of it.
+        tail_sq = (sq - set_sq).clamp_min(0.0)
+    if kind == "kl":
+        if estimator == "bucket":
+            tail_dot = b.mu_r * b.pi_r
+        else:
+            tail_dot = torch.where(b.pi_r > 0, b.mu_r / b.pi_r.clamp_min(_tiny(b.pi_r)), 0.0) * tail_sq
+        return (pi_a - mu_a) + (b.mu_s * b.pi_s).sum(-1) + tail_dot - sq
+    s_set = torch.sign(b.pi_s - b.mu_s)
+    s_r = torch.sign(b.pi_r - b.mu_r)
+    sign_pi = (s_set * b.pi_s).sum(-1) + s_r * b.pi_r
+    sign_pi2 = (s_set * b.pi_s.square()).sum(-1) + s_r * tail_sq
+    return _tv_form(torch.sign(pi_a - mu_a), pi_a, sq, sign_pi, sign_pi2)
+
+
+def _tv_form(s_a: Tensor, pi_a: Tensor, sq: Tensor, sign_pi: Tensor, sign_pi2: Tensor) -> Tensor:
+    return 0.5 * (s_a * pi_a - sign_pi2 + (sq - pi_a) * sign_pi)
+
+
+@dataclass
+class _Buckets:
+    pi_s: Tensor  # [..., K+1], 0 at invalid columns
+    mu_s: Tensor  # [..., K+1]
+    pi_r: Tensor  # [...]
+    mu_r: Tensor  # [...]
+
+
+def _buckets(stats: PolicyStats) -> _Buckets:
+    if stats.set_logp is None or stats.set_mu is None or stats.set_valid is None:
+        raise ValueError(
+            "this estimate needs top-K information about μ: pass RolloutLogprobs(topk_ids=..., topk_logp=...)."
+        )
+    pi_s = stats.set_logp.exp().masked_fill(~stats.set_valid, 0.0)
+    mu_s = stats.set_mu
+    return _Buckets(pi_s, mu_s, (1 - pi_s.sum(-1)).clamp_min(0.0), (1 - mu_s.sum(-1)).clamp_min(0.0))
+
+
+def _require_full(stats: PolicyStats):
+    if stats.full is None:
+        raise ValueError("this estimate needs μ over the whole vocabulary: pass RolloutLogprobs(full_logp=...).")
+    return stats.full
+
+
+def _require_sq_norm(stats: PolicyStats, estimator: str) -> Tensor:
+    if stats.sq_norm is None:
+        raise ValueError(f"estimator {estimator!r} needs ‖π‖²: call policy_stats(..., need_sq_norm=True).")
+    return stats.sq_norm
+
+
+def _tiny(x: Tensor) -> float:
+    return torch.finfo(x.dtype).tiny
+
+
+def _xlogy_ratio(p: Tensor, q: Tensor) -> Tensor:
+    """p·log(p/q) with 0·log 0 = 0; q is floored at the smallest normal number so D stays finite."""
+    return torch.where(p > 0, p * (p.clamp_min(_tiny(p)).log() - q.clamp_min(_tiny(q)).log()), 0.0)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
+
+
+__all__ = ["divergence", "predicted_change", "KINDS", "INFOS", "ESTIMATORS"]

@@ -1,0 +1,182 @@
+"""The DPPO-form policy loss with a trust-region mask, verl/TRL loss aggregation and metrics."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pdmask.estimators import divergence, predicted_change
+from pdmask.methods import (
+    DELTA_TV,
+    MaskMethod,
+    _as_bool_mask,
+    _broadcast_advantages,
+    beyond_threshold,
+    get_method,
+    resolve_thresholds,
+    trust_region_mask,
+)
+from pdmask.rollout import RolloutLogprobs
+from pdmask.stats import PolicyStats, policy_stats
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def per_token_loss(
+    method: str | MaskMethod,
+    stats: PolicyStats,
+    advantages: Tensor,
+    response_mask: Tensor | None = None,
+    **thresholds: float | None,
+) -> tuple[Tensor, Tensor]:
+    """(loss_mat [...], keep [...]) with loss_t = −M_t · sg(min(r, c)) · A · log π(a)."""
+    m = get_method(method)
+    cap = resolve_thresholds(m, thresholds)["ratio_cap"]
+    keep = trust_region_mask(m, stats, advantages, response_mask, **thresholds)
+    adv = _broadcast_advantages(advantages, stats.logp.shape).to(stats.logp.dtype)
+    weight = keep.to(stats.logp.dtype) * stats.ratio.clamp(max=cap) * adv
+    return -weight * stats.logp, keep
+
+
+def aggregate_loss(
+    loss_mat: Tensor,
+    response_mask: Tensor,
+    agg: str = "token-mean",
+    *,
+    cu_seqlens: Tensor | None = None,
+    norm_length: int | None = None,
+) -> Tensor:
+    """Scalar loss from loss_mat [B, T] (or packed [N] with cu_seqlens [num_seqs + 1]), as verl's agg_loss.
+
+    token-mean: Σ loss / #tokens; seq-mean-token-sum: mean_s Σ_t; seq-mean-token-mean: mean_s mean_t;
+    seq-mean-token-sum-norm (Dr. GRPO): Σ loss / norm_length, norm_length = T by default (the longest
+    sequence for packed input). Empty masks give 0, never NaN.
+    """
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}; got {agg!r}.")
+    mask = _as_bool_mask(response_mask, loss_mat.shape).to(loss_mat.dtype)
+    masked = loss_mat * mask
+    if agg == "token-mean":
+        return masked.sum() / mask.sum().clamp_min(1.0)
+    if loss_mat.dim() == 1:
+        if cu_seqlens is None:
+            raise ValueError(f"agg={agg!r} on packed 1-D input needs cu_seqlens [num_seqs + 1] (sequence starts).")
+        seq_sum, seq_count, seq_len = _packed_sums(masked, mask, cu_seqlens)
+    elif loss_mat.dim() == 2:
+        seq_sum, seq_count, seq_len = masked.sum(-1), mask.sum(-1), loss_mat.shape[-1]
+    else:
+        raise ValueError(f"loss_mat must be [B, T] or packed [N] for agg={agg!r}; got shape {tuple(loss_mat.shape)}.")
+    if seq_sum.numel() == 0:
+        return masked.sum()
+    if agg == "seq-mean-token-sum":
+        return seq_sum.mean()
+    if agg == "seq-mean-token-mean":
+        return (seq_sum / seq_count.clamp_min(1.0)).mean()
+    return seq_sum.sum() / float(norm_length or max(seq_len, 1))
+
+
+def _packed_sums(masked: Tensor, mask: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor, int]:
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be a 1-D tensor [num_seqs + 1] of sequence start offsets.")
+    cu = cu_seqlens.long().to(masked.device)
+    lengths = cu[1:] - cu[:-1]
+    if cu[0] != 0 or cu[-1] != masked.numel() or (lengths < 0).any():
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to the number of packed tokens ({masked.numel()}); got {cu.tolist()[:8]}..."
+        )
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+    zeros = masked.new_zeros(lengths.numel())
+    return zeros.index_add(0, seg, masked), zeros.index_add(0, seg, mask), int(lengths.max().item() if lengths.numel() else 0)
+
+
+def policy_loss(
+    method: str | MaskMethod,
+    logits: Tensor,
+    tokens: Tensor,
+    rollout: RolloutLogprobs,
+    advantages: Tensor,
+    response_mask: Tensor,
+    agg: str = "token-mean",
+    *,
+    cu_seqlens: Tensor | None = None,
+    norm_length: int | None = None,
+    chunk_size: int | None = None,
+    **thresholds: float | None,
+) -> tuple[Tensor, dict[str, float]]:
+    """(loss, metrics) of the masked DPPO-form surrogate −M·sg(min(r, c))·A·log π(a), aggregated by ``agg``.
+
+    logits [B, T, V] with tokens, response_mask and advantages [B, T] (advantages may be per sequence
+    [B]); or packed logits [N, V] with tokens, response_mask and advantages [N].
+    """
+    m = get_method(method)
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}; got {agg!r}.")
+    need_sq = m.needs_sq_norm or rollout.info != "binary"  # the disagreement metric uses G_tail / G_full
+    stats = policy_stats(logits, tokens, rollout, chunk_size=chunk_size, need_sq_norm=need_sq)
+    loss_mat, keep = per_token_loss(m, stats, advantages, response_mask, **thresholds)
+    loss = aggregate_loss(loss_mat, response_mask, agg, cu_seqlens=cu_seqlens, norm_length=norm_length)
+    return loss, mask_metrics(m, stats, advantages, response_mask, keep, **thresholds) | {"loss/policy": loss.item()}
+
+
+@torch.no_grad()
+def mask_metrics(
+    method: str | MaskMethod,
+    stats: PolicyStats,
+    advantages: Tensor,
+    response_mask: Tensor,
+    keep: Tensor,
+    **thresholds: float | None,
+) -> dict[str, float]:
+    """Plain-float metrics over response tokens: dropped fractions, divergence, ratio, direction disagreement.
+
+    The divergence is the method's own (TV at the richest information for ppo_clip and pg_is);
+    ``mask/direction_disagree_frac`` is the share of tokens beyond the threshold where sign(π_a − μ_a)
+    and sign(G) differ, G from the method's estimator or the best one the rollout allows (0 on binary
+    information, where the two coincide).
+    """
+    m = get_method(method)
+    shape = stats.logp.shape
+    mask = _as_bool_mask(response_mask, shape)
+    adv = _broadcast_advantages(advantages, shape).to(stats.rollout_logp.dtype)
+    kind, info = (m.kind, m.info) if m.kind else ("tv", stats.info)
+    t = resolve_thresholds(m, thresholds)
+    delta_low, delta_high = t.get("delta_low", DELTA_TV), t.get("delta_high", DELTA_TV)
+    d = divergence(stats, kind, info)
+    beyond = beyond_threshold(d, adv, delta_low, delta_high) & mask
+    estimator = m.estimator or {"full": "full", "topk": "tail", "binary": None}[stats.info]
+    if estimator is None or (estimator != "bucket" and stats.sq_norm is None):
+        disagree = torch.zeros_like(beyond)
+    else:
+        g = predicted_change(stats, kind, estimator)
+        disagree = beyond & (torch.sign(stats.pi_a - stats.mu_a) != torch.sign(g))
+    pos, neg = mask & (adv > 0), mask & (adv < 0)
+    ratio = stats.ratio[mask]
+    d_resp = d[mask].float()
+    return {
+        "mask/dropped_frac": _frac(mask & ~keep, mask),
+        "mask/dropped_frac_pos": _frac(pos & ~keep, pos),
+        "mask/dropped_frac_neg": _frac(neg & ~keep, neg),
+        "mask/beyond_threshold_frac": _frac(beyond, mask),
+        "mask/direction_disagree_frac": _frac(disagree, beyond),
+        "div/mean": d_resp.mean().item() if d_resp.numel() else 0.0,
+        "div/max": d_resp.max().item() if d_resp.numel() else 0.0,
+        "div/p90": _quantile(d_resp, 0.9),
+        "ratio/mean": ratio.mean().item() if ratio.numel() else 0.0,
+        "ratio/max": ratio.max().item() if ratio.numel() else 0.0,
+    }
+
+
+def _frac(part: Tensor, whole: Tensor) -> float:
+    n = int(whole.sum().item())
+    return float(part.sum().item()) / n if n else 0.0
+
+
+def _quantile(x: Tensor, q: float) -> float:
+    if x.numel() == 0:
+        return 0.0
+    # kthvalue has no size limit, unlike torch.quantile.
+    k = min(x.numel(), max(1, int(round(q * (x.numel() - 1))) + 1))
+    return x.kthvalue(k).values.item()
+
+
+__all__ = ["AGG_MODES", "per_token_loss", "aggregate_loss", "policy_loss", "mask_metrics"]

@@ -1,0 +1,225 @@
+"""The registry of trust-region mask methods and the mask itself (True = keep the token)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from pdmask.estimators import divergence, predicted_change
+from pdmask.stats import PolicyStats
+
+DELTA_TV = 0.15
+DELTA_KL = 0.05
+EPS_LOW = 0.2
+EPS_HIGH = 0.28
+RATIO_CAP = 10.0
+
+_INFO_RANK = {"binary": 0, "topk": 1, "full": 2}
+
+
+@dataclass(frozen=True)
+class MaskMethod:
+    """One mask rule with its divergence, estimator and default thresholds.
+
+    rule: "ppo_clip" (ratio band), "none" (keep all), "dppo" (D > δ and A·(π_a − μ_a) > 0 drops),
+    "pdm" (D > δ and A·G > 0 drops).
+    """
+
+    name: str
+    rule: str
+    description: str
+    kind: str | None = None
+    info: str | None = None
+    estimator: str | None = None
+    defaults: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def needs(self) -> str:
+        """The least information about μ the method needs: "binary", "topk" or "full"."""
+        if self.estimator == "full" or self.info == "full":
+            return "full"
+        if self.estimator in ("bucket", "tail") or self.info == "topk":
+            return "topk"
+        return "binary"
+
+    @property
+    def needs_sq_norm(self) -> bool:
+        return self.estimator in ("tail", "full")
+
+
+def _divergence_defaults(kind: str) -> Mapping[str, float]:
+    delta = DELTA_TV if kind == "tv" else DELTA_KL
+    return MappingProxyType({"delta_low": delta, "delta_high": delta, "ratio_cap": RATIO_CAP})
+
+
+_KIND_WORDS = {"tv": "total variation", "kl": "KL(μ‖π)"}
+_INFO_WORDS = {
+    "binary": "from μ(a) alone (binary)",
+    "topk": "on the K+1 buckets of μ's top-K (DPPO's top-K estimate)",
+    "full": "over the whole vocabulary",
+}
+_ESTIMATOR_WORDS = {
+    "full": "exact G over the whole vocabulary",
+    "bucket": "G on the K+1 buckets TopK ∪ {a} ∪ rest",
+    "tail": "exact ‖π‖² with μ's tail taken proportional to π's tail",
+}
+
+
+def _registry() -> dict[str, MaskMethod]:
+    methods = [
+        MaskMethod(
+            "ppo_clip",
+            "ppo_clip",
+            "PPO/GRPO clipping as a mask: drop A>0 tokens with r > 1+ε_high and A<0 tokens with r < 1−ε_low.",
+            defaults=MappingProxyType({"eps_low": EPS_LOW, "eps_high": EPS_HIGH, "ratio_cap": RATIO_CAP}),
+        ),
+        MaskMethod(
+            "pg_is",
+            "none",
+            "No trust region: truncated importance sampling min(r, c) only.",
+            defaults=MappingProxyType({"ratio_cap": RATIO_CAP}),
+        ),
+    ]
+    for kind in ("tv", "kl"):
+        for info in ("binary", "topk", "full"):
+            methods.append(
+                MaskMethod(
+                    f"dppo_{info}_{kind}",
+                    "dppo",
+                    f"DPPO: drop if {_KIND_WORDS[kind]} {_INFO_WORDS[info]} exceeds δ and A·(π_a − μ_a) > 0.",
+                    kind=kind,
+                    info=info,
+                    defaults=_divergence_defaults(kind),
+                )
+            )
+        for estimator in ("full", "bucket", "tail"):
+            methods.append(
+                MaskMethod(
+                    f"pdm_{estimator}_{kind}",
+                    "pdm",
+                    f"PDM: drop if {_KIND_WORDS[kind]} exceeds δ and A·G > 0, {_ESTIMATOR_WORDS[estimator]}.",
+                    kind=kind,
+                    info="full" if estimator == "full" else "topk",
+                    estimator=estimator,
+                    defaults=_divergence_defaults(kind),
+                )
+            )
+    return {m.name: m for m in methods}
+
+
+#: Every mask method by name. Adding a method is one MaskMethod entry.
+METHODS: Mapping[str, MaskMethod] = MappingProxyType(_registry())
+
+
+def get_method(method: str | MaskMethod) -> MaskMethod:
+    """Looks a method up by name (or passes a MaskMethod through)."""
+    if isinstance(method, MaskMethod):
+        return method
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"unknown mask method {method!r}; choose one of: {', '.join(METHODS)}.")
+    return METHODS[method]
+
+
+def resolve_thresholds(method: MaskMethod, overrides: Mapping[str, float | None]) -> dict[str, float]:
+    """The method's defaults with the given overrides (None means default); rejects unknown or bad values."""
+    allowed = set(method.defaults)
+    values = dict(method.defaults)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key not in allowed:
+            raise ValueError(
+                f"method {method.name!r} takes thresholds {sorted(allowed)}; got unexpected {key}={value!r}."
+            )
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"threshold {key} must be a finite number >= 0, got {value!r}.")
+        values[key] = float(value)
+    if "ratio_cap" in values and values["ratio_cap"] <= 0:
+        raise ValueError(f"ratio_cap must be > 0, got {values['ratio_cap']}.")
+    return values
+
+
+def check_information(method: MaskMethod, stats: PolicyStats) -> None:
+    if _INFO_RANK[stats.info] < _INFO_RANK[method.needs]:
+        hint = "topk_ids=..., topk_logp=..." if method.needs == "topk" else "full_logp=..."
+        raise ValueError(
+            f"method {method.name!r} needs {method.needs} information about μ but the rollout has only "
+            f"{stats.info}: pass RolloutLogprobs({hint})."
+        )
+
+
+def beyond_threshold(divergence_value: Tensor, advantages: Tensor, delta_low: float, delta_high: float) -> Tensor:
+    """D > δ_high where A > 0, D > δ_low where A < 0, never where A = 0; bool [...]."""
+    return ((advantages > 0) & (divergence_value > delta_high)) | ((advantages < 0) & (divergence_value > delta_low))
+
+
+def trust_region_mask(
+    method: str | MaskMethod,
+    stats: PolicyStats,
+    advantages: Tensor,
+    response_mask: Tensor | None = None,
+    **thresholds: float | None,
+) -> Tensor:
+    """M [...] (bool, True = keep) of one method; positions outside ``response_mask`` are False.
+
+    Thresholds (keyword, None = default): delta_low, delta_high for divergence methods; eps_low,
+    eps_high for ``ppo_clip``; ratio_cap is accepted everywhere and unused here.
+    """
+    m = get_method(method)
+    check_information(m, stats)
+    t = resolve_thresholds(m, thresholds)
+    adv = _broadcast_advantages(advantages, stats.logp.shape).to(stats.rollout_logp.dtype)
+    with torch.no_grad():
+        if m.rule == "none":
+            keep = torch.ones_like(adv, dtype=torch.bool)
+        elif m.rule == "ppo_clip":
+            r = stats.ratio
+            keep = ~(((adv > 0) & (r > 1 + t["eps_high"])) | ((adv < 0) & (r < 1 - t["eps_low"])))
+        else:
+            assert m.kind is not None and m.info is not None
+            beyond = beyond_threshold(divergence(stats, m.kind, m.info), adv, t["delta_low"], t["delta_high"])
+            if m.rule == "dppo":
+                direction = stats.pi_a - stats.mu_a
+            else:
+                assert m.estimator is not None
+                direction = predicted_change(stats, m.kind, m.estimator)
+            keep = ~(beyond & (adv * direction > 0))
+        if response_mask is not None:
+            keep = keep & _as_bool_mask(response_mask, stats.logp.shape)
+    return keep
+
+
+def _broadcast_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
+    if not isinstance(advantages, Tensor) or not advantages.is_floating_point():
+        raise TypeError("advantages must be a floating-point torch.Tensor, per token [...] or per sequence [B].")
+    if tuple(advantages.shape) != tuple(shape):
+        if len(shape) == 2 and tuple(advantages.shape) in ((shape[0],), (shape[0], 1)):
+            advantages = advantages.reshape(shape[0], 1).expand(shape)
+        else:
+            raise ValueError(
+                f"advantages has shape {tuple(advantages.shape)}; expected per-token {tuple(shape)}"
+                + (f" or per-sequence ({shape[0]},)." if len(shape) == 2 else ".")
+            )
+    if not torch.isfinite(advantages).all():
+        raise ValueError("advantages contain NaN or inf; normalise rewards with a guard against zero std.")
+    return advantages
+
+
+def _as_bool_mask(response_mask: Tensor, shape: torch.Size) -> Tensor:
+    if not isinstance(response_mask, Tensor):
+        raise TypeError(f"response_mask must be a torch.Tensor of 0/1 or bool, got {type(response_mask).__name__}.")
+    if tuple(response_mask.shape) != tuple(shape):
+        raise ValueError(f"response_mask has shape {tuple(response_mask.shape)}; expected {tuple(shape)}.")
+    if response_mask.dtype != torch.bool:
+        if ((response_mask != 0) & (response_mask != 1)).any():
+            raise ValueError("response_mask must hold only 0 and 1 (or be bool).")
+        response_mask = response_mask != 0
+    return response_mask
+
+
+__all__ = ["MaskMethod", "METHODS", "get_method", "trust_region_mask", "beyond_threshold"]

@@ -1,0 +1,100 @@
+"""Obviously-right float64 reference implementations over the full vocabulary, for tests and audits.
+
+Everything here works on one position's full vectors (or a batch of them, [..., V]) with autograd
+for ∇_z D, so that no closed form is trusted: the fast paths are checked against these.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def tv(pi: Tensor, mu: Tensor) -> Tensor:
+    """½ Σ_i |π_i − μ_i| over the last dim."""
+    return 0.5 * (pi - mu).abs().sum(-1)
+
+
+def kl(pi: Tensor, mu: Tensor) -> Tensor:
+    """KL(μ‖π) = Σ_i μ_i (log μ_i − log π_i), with 0·log 0 = 0."""
+    return torch.where(mu > 0, mu * (mu.log() - pi.log()), torch.zeros_like(mu)).sum(-1)
+
+
+DIVERGENCES = {"tv": tv, "kl": kl}
+
+
+def predicted_change(z: Tensor, mu: Tensor, a: Tensor, kind: str) -> Tensor:
+    """G = ⟨∇_z D(softmax(z), μ), e_a − π⟩ by autograd in float64; z, μ [..., V], a [...]."""
+    z = z.detach().double().requires_grad_(True)
+    pi = torch.softmax(z, -1)
+    d = DIVERGENCES[kind](pi, mu.double())
+    (grad,) = torch.autograd.grad(d.sum(), z)
+    u = torch.nn.functional.one_hot(a, z.shape[-1]).double() - pi.detach()
+    return (grad * u).sum(-1)
+
+
+def finite_difference(z: Tensor, mu: Tensor, a: Tensor, kind: str, eps: float = 1e-6) -> Tensor:
+    """(D(softmax(z + εu)) − D(softmax(z − εu))) / 2ε with u = e_a − π: the ground truth for G."""
+    z, mu = z.double(), mu.double()
+    u = torch.nn.functional.one_hot(a, z.shape[-1]).double() - torch.softmax(z, -1)
+    d = DIVERGENCES[kind]
+    return (d(torch.softmax(z + eps * u, -1), mu) - d(torch.softmax(z - eps * u, -1), mu)) / (2 * eps)
+
+
+def set_mask(a: Tensor, topk_ids: Tensor, vocab: int) -> Tensor:
+    """Bool [..., V]: membership of S = TopK ∪ {a}."""
+    s = torch.zeros(a.shape + (vocab,), dtype=torch.bool, device=a.device)
+    s.scatter_(-1, topk_ids, True)
+    return s.scatter(-1, a.unsqueeze(-1), True)
+
+
+def coarse(p: Tensor, in_set: Tensor) -> Tensor:
+    """[..., V+1]: p on S (0 elsewhere), then the rest bucket 1 − Σ_S p as the last category."""
+    on_set = torch.where(in_set, p, torch.zeros_like(p))
+    return torch.cat([on_set, (1 - on_set.sum(-1, keepdim=True)).clamp_min(0)], -1)
+
+
+def topk_divergence(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
+    """DPPO's top-K estimate: the divergence of the K+1-category distributions S ∪ {R}."""
+    s = set_mask(a, topk_ids, z.shape[-1])
+    return DIVERGENCES[kind](_nonzero(coarse(torch.softmax(z.double(), -1), s)), coarse(mu.double(), s))
+
+
+def binary_divergence(z: Tensor, mu: Tensor, a: Tensor, kind: str) -> Tensor:
+    """The divergence of the two-category distributions ({a}, rest)."""
+    s = set_mask(a, a.unsqueeze(-1), z.shape[-1])
+    return DIVERGENCES[kind](_nonzero(coarse(torch.softmax(z.double(), -1), s)), coarse(mu.double(), s))
+
+
+def bucket_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
+    """G of the coarse K+1-category policy: softmax logits log π̃, with a as one of the categories."""
+    s = set_mask(a, topk_ids, z.shape[-1])
+    pi_c = _nonzero(coarse(torch.softmax(z.double(), -1), s))
+    return predicted_change(pi_c.log(), coarse(mu.double(), s), a, kind)
+
+
+def tail_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
+    """Full G against μ' = μ on S and μ'_j = π_j · μ_R / π_R off S (μ's tail made proportional to π's)."""
+    s = set_mask(a, topk_ids, z.shape[-1])
+    pi, mu = torch.softmax(z.double(), -1), mu.double()
+    pi_r = torch.where(s, 0.0, pi).sum(-1, keepdim=True)
+    mu_r = (1 - torch.where(s, mu, 0.0).sum(-1, keepdim=True)).clamp_min(0)
+    scale = torch.where(pi_r > 0, mu_r / pi_r, 0.0)
+    return predicted_change(z, torch.where(s, mu, pi * scale), a, kind)
+
+
+def _nonzero(p: Tensor) -> Tensor:
+    # The rest bucket can be exactly empty; a floor keeps log π̃ finite without moving G measurably.
+    return p.clamp_min(1e-300)
+
+
+__all__ = [
+    "tv",
+    "kl",
+    "predicted_change",
+    "finite_difference",
+    "topk_divergence",
+    "binary_divergence",
+    "bucket_change",
+    "tail_change",
+]

@@ -1,0 +1,167 @@
+"""What the trainer knows about the rollout policy μ at each response position."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+#: Log-probabilities may exceed 0 by this much (rounding in the engine); they are clamped to 0.
+LOGP_TOL = 1e-4
+#: The probability mass of S = TopK ∪ {a} may exceed 1 by this much before it is an error.
+MASS_TOL = 1e-3
+
+
+@dataclass
+class RolloutLogprobs:
+    """Log-probabilities of the rollout policy μ, as a rollout engine returns them.
+
+    Args:
+        logp: log μ(a) of the sampled token, shape [...].
+        topk_ids: ids of μ's K most likely tokens, int64 [..., K] (vLLM/SGLang ``logprobs=K``).
+            The sampled token may or may not be among them.
+        topk_logp: their log-probabilities, [..., K]. ``-inf`` means probability zero.
+        full_logp: log μ over the whole vocabulary, [..., V] (a simulated engine, or a recomputed
+            π_old). ``-inf`` means probability zero.
+
+    The same class serves when μ is a recomputed π_old: pass π_old's log-probs instead.
+    """
+
+    logp: Tensor
+    topk_ids: Tensor | None = None
+    topk_logp: Tensor | None = None
+    full_logp: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        _require_tensor("rollout.logp", self.logp, floating=True)
+        if (self.topk_ids is None) != (self.topk_logp is None):
+            raise ValueError(
+                "rollout.topk_ids and rollout.topk_logp come together: pass both (top-K information) or neither."
+            )
+        if self.topk_ids is not None:
+            _require_tensor("rollout.topk_ids", self.topk_ids, floating=False)
+            _require_tensor("rollout.topk_logp", self.topk_logp, floating=True)
+            if self.topk_ids.shape != self.topk_logp.shape:
+                raise ValueError(
+                    f"rollout.topk_ids has shape {tuple(self.topk_ids.shape)} but rollout.topk_logp has shape "
+                    f"{tuple(self.topk_logp.shape)}; both must be [..., K]."
+                )
+            if self.topk_ids.dim() == 0 or self.topk_ids.shape[-1] == 0:
+                raise ValueError(
+                    "rollout.topk_ids has K = 0 columns: pass topk_ids=None and topk_logp=None for binary "
+                    "information, or K >= 1 top log-probs."
+                )
+        if self.full_logp is not None:
+            _require_tensor("rollout.full_logp", self.full_logp, floating=True)
+
+    @property
+    def info(self) -> str:
+        """The richest information available: "full", "topk" or "binary"."""
+        if self.full_logp is not None:
+            return "full"
+        return "topk" if self.topk_ids is not None else "binary"
+
+    @property
+    def k(self) -> int:
+        """K, the number of top log-probs (0 without top-K information)."""
+        return 0 if self.topk_ids is None else int(self.topk_ids.shape[-1])
+
+    def validated(self, tokens: Tensor, vocab_size: int, dtype: torch.dtype) -> "RolloutLogprobs":
+        """Checks against the trainer's tokens [...] and vocabulary; returns a copy in ``dtype``.
+
+        Raises ValueError naming the argument for every inconsistency; clamps log-probs within LOGP_TOL of 0.
+        """
+        shape = tuple(tokens.shape)
+        if tuple(self.logp.shape) != shape:
+            raise ValueError(f"rollout.logp has shape {tuple(self.logp.shape)}; expected the tokens' shape {shape}.")
+        logp = _check_logp("rollout.logp", self.logp.to(dtype), allow_neg_inf=False)
+        topk_ids = topk_logp = full_logp = None
+        if self.topk_ids is not None:
+            if tuple(self.topk_ids.shape[:-1]) != shape:
+                raise ValueError(
+                    f"rollout.topk_ids has shape {tuple(self.topk_ids.shape)}; expected {shape + ('K',)}."
+                )
+            if self.k > vocab_size:
+                raise ValueError(f"rollout has K = {self.k} top log-probs but the vocabulary has only {vocab_size} tokens.")
+            topk_ids = self.topk_ids.to(device=tokens.device, dtype=torch.long)
+            _check_ids("rollout.topk_ids", topk_ids, vocab_size)
+            if self.k > 1:
+                sorted_ids = topk_ids.sort(dim=-1).values
+                if (sorted_ids[..., 1:] == sorted_ids[..., :-1]).any():
+                    raise ValueError("rollout.topk_ids has a duplicate id at some position; top-K ids must be distinct.")
+            topk_logp = _check_logp("rollout.topk_logp", self.topk_logp.to(device=tokens.device, dtype=dtype), True)
+            in_topk = topk_ids == tokens.unsqueeze(-1)
+            if in_topk.any():
+                gap = (topk_logp - logp.unsqueeze(-1)).abs()[in_topk & torch.isfinite(topk_logp)]
+                if gap.numel() and gap.max() > 1e-3:
+                    raise ValueError(
+                        "rollout.logp disagrees with rollout.topk_logp at the sampled token by up to "
+                        f"{gap.max().item():.3g}; both must come from the same distribution μ."
+                    )
+            mass = topk_logp.exp().sum(-1) + torch.where(in_topk.any(-1), 0.0, logp.exp())
+            if (mass > 1 + MASS_TOL).any():
+                raise ValueError(
+                    f"rollout top-K probabilities (with the sampled token) sum to {mass.max().item():.6f} > 1 at some "
+                    "position: pass normalised log-probs (log-softmax over the whole vocabulary), not raw logits."
+                )
+        if self.full_logp is not None:
+            if tuple(self.full_logp.shape) != shape + (vocab_size,):
+                raise ValueError(
+                    f"rollout.full_logp has shape {tuple(self.full_logp.shape)}; expected {shape + (vocab_size,)}."
+                )
+            full_logp = self.full_logp.to(device=tokens.device)
+            _check_no_nan_or_pos_inf("rollout.full_logp", full_logp)
+            at_a = full_logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(dtype)
+            gap = (at_a - logp).abs()
+            if (gap > 1e-3).any():
+                raise ValueError(
+                    "rollout.logp disagrees with rollout.full_logp at the sampled token by up to "
+                    f"{gap.max().item():.3g}; both must come from the same distribution μ."
+                )
+        return RolloutLogprobs(logp.to(tokens.device), topk_ids, topk_logp, full_logp)
+
+
+def _require_tensor(name: str, x: object, *, floating: bool) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}.")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor of log-probabilities, got dtype {x.dtype}.")
+    if not floating and (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor of token ids, got dtype {x.dtype}.")
+
+
+def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)][0].item()
+        raise ValueError(f"{name} contains id {bad}, outside the vocabulary [0, {vocab_size}).")
+
+
+def _check_no_nan_or_pos_inf(name: str, x: Tensor) -> None:
+    if torch.isnan(x).any() or torch.isposinf(x).any():
+        raise ValueError(f"{name} contains NaN or +inf; log-probabilities must be finite (or -inf for probability 0).")
+
+
+def _check_logp(name: str, logp: Tensor, allow_neg_inf: bool) -> Tensor:
+    _check_no_nan_or_pos_inf(name, logp)
+    if not allow_neg_inf and torch.isneginf(logp).any():
+        raise ValueError(f"{name} contains -inf: a sampled token must have positive probability under μ.")
+    if logp.numel() and logp.max() > LOGP_TOL:
+        raise ValueError(
+            f"{name} has a value {logp.max().item():.4g} > 0; pass log-probabilities (<= 0), not probabilities or logits."
+        )
+    return logp.clamp(max=0.0)
+
+
+def check_tokens(tokens: object, vocab_size: int, shape: tuple[int, ...]) -> Tensor:
+    """Checks sampled token ids [...] against the logits' leading shape and vocabulary."""
+    _require_tensor("tokens", tokens, floating=False)
+    assert isinstance(tokens, Tensor)
+    if tuple(tokens.shape) != shape:
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}; expected the logits' leading shape {shape}.")
+    tokens = tokens.long()
+    _check_ids("tokens", tokens, vocab_size)
+    return tokens
+
+
+__all__ = ["RolloutLogprobs", "check_tokens", "LOGP_TOL", "MASS_TOL"]

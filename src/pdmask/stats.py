@@ -1,0 +1,209 @@
+"""One memory-lean pass over the vocabulary: log π(a) with its gradient, and every statistic the masks need."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pdmask.rollout import RolloutLogprobs, check_tokens
+
+#: Default budget for the float32 temporaries of one chunk, as a fraction of the logits' size ...
+CHUNK_FRACTION = 0.04
+#: ... but never less than this (small inputs go in one chunk) nor more than the cap.
+CHUNK_MIN_BYTES = 1 << 20
+CHUNK_MAX_BYTES = 64 << 20
+
+
+@dataclass
+class FullReductions:
+    """Reductions over the whole vocabulary against a full μ, each [...]."""
+
+    tv: Tensor  # ½ Σ|π_i − μ_i|
+    kl: Tensor  # Σ μ_i (log μ_i − log π_i)
+    mu_dot_pi: Tensor  # ⟨μ, π⟩
+    sign_pi: Tensor  # Σ s_i π_i,   s_i = sign(π_i − μ_i)
+    sign_pi2: Tensor  # Σ s_i π_i²
+
+
+@dataclass
+class PolicyStats:
+    """Per-position statistics of π (from the trainer's logits) and μ (from the rollout).
+
+    Only ``logp`` carries a gradient. Top-K fields describe S = TopK(μ) ∪ {a} as K+1 columns (the K
+    top-K ids, then a); the last column is invalid when a is already among the top-K ids.
+    """
+
+    logp: Tensor  # [...] log π(a), differentiable
+    rollout_logp: Tensor  # [...] log μ(a)
+    sq_norm: Tensor | None = None  # [...] ‖π‖²
+    set_logp: Tensor | None = None  # [..., K+1] log π at S
+    set_mu: Tensor | None = None  # [..., K+1] μ at S (0 at invalid columns)
+    set_valid: Tensor | None = None  # [..., K+1] bool
+    full: FullReductions | None = None
+
+    @property
+    def pi_a(self) -> Tensor:
+        """π(a) [...], detached."""
+        return self.logp.detach().exp()
+
+    @property
+    def mu_a(self) -> Tensor:
+        """μ(a) [...]."""
+        return self.rollout_logp.exp()
+
+    @property
+    def ratio(self) -> Tensor:
+        """r = π(a)/μ(a) [...], detached."""
+        return (self.logp.detach() - self.rollout_logp).exp()
+
+    @property
+    def info(self) -> str:
+        if self.full is not None:
+            return "full"
+        return "topk" if self.set_logp is not None else "binary"
+
+
+def policy_stats(
+    logits: Tensor,
+    tokens: Tensor,
+    rollout: RolloutLogprobs,
+    *,
+    chunk_size: int | None = None,
+    need_sq_norm: bool = True,
+) -> PolicyStats:
+    """Statistics of π = softmax(logits) at the sampled tokens, in one chunked pass.
+
+    Args:
+        logits: [..., V], any float dtype; computed in float32, or float64 when given float64.
+        tokens: [...] sampled token ids.
+        rollout: what is known of μ at each position.
+        chunk_size: positions per chunk; by default the chunk's float32 temporaries stay within
+            ``CHUNK_FRACTION`` of the logits' size (between 1 MiB and 64 MiB).
+        need_sq_norm: compute ‖π‖² = Σ exp(2·log π) (needed by the ``tail`` and ``full`` estimators).
+    """
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V].")
+    if logits.dim() < 1 or logits.shape[-1] < 2:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}; expected [..., V] with V >= 2.")
+    if not isinstance(rollout, RolloutLogprobs):
+        raise TypeError(f"rollout must be a pdmask.RolloutLogprobs, got {type(rollout).__name__}.")
+    vocab = logits.shape[-1]
+    shape = tuple(logits.shape[:-1])
+    tokens = check_tokens(tokens, vocab, shape)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    rollout = rollout.validated(tokens, vocab, dtype)
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
+
+    n = tokens.numel()
+    flat_tokens = tokens.reshape(n)
+    topk_ids = None if rollout.topk_ids is None else rollout.topk_ids.reshape(n, -1)
+    full_logp = None if rollout.full_logp is None else rollout.full_logp.reshape(n, vocab)
+    rows = chunk_size or _default_chunk(logits, dtype)
+
+    lse = torch.empty(n, dtype=dtype, device=logits.device)
+    sq_norm = torch.empty_like(lse) if need_sq_norm else None
+    topk_logp_pi = None if topk_ids is None else torch.empty(topk_ids.shape, dtype=dtype, device=logits.device)
+    full_red = None if full_logp is None else torch.empty(5, n, dtype=dtype, device=logits.device)
+    with torch.no_grad():
+        for sl, chunk in _row_chunks(logits.detach(), rows):
+            z = chunk.to(dtype)
+            m = z.amax(-1, keepdim=True)
+            e = torch.sub(z, m).exp_()
+            s1 = e.sum(-1)
+            lse[sl] = m.squeeze(-1) + s1.log()
+            if sq_norm is not None:
+                sq_norm[sl] = torch.linalg.vecdot(e, e) / s1.square()
+            if topk_logp_pi is not None:
+                topk_logp_pi[sl] = z.gather(-1, topk_ids[sl]) - lse[sl, None]
+            if full_red is not None:
+                full_red[:, sl] = _full_reductions(z, e.div_(s1[:, None]), lse[sl], full_logp[sl].to(dtype))
+    if not torch.isfinite(lse).all():
+        raise ValueError("logits contain NaN or +inf (or a row of only -inf); the trainer's logits must be finite.")
+
+    logp = _GatherLogProb.apply(logits, flat_tokens, lse, rows)
+    if not torch.isfinite(logp).all():
+        raise ValueError("logits are -inf at a sampled token: the trainer gives that token probability zero.")
+    stats = PolicyStats(logp=logp.reshape(shape), rollout_logp=rollout.logp, sq_norm=_shaped(sq_norm, shape))
+    if topk_logp_pi is not None:
+        a_logp = logp.detach().reshape(shape + (1,))
+        stats.set_logp = torch.cat([topk_logp_pi.reshape(shape + (-1,)), a_logp], -1)
+        a_in_topk = (rollout.topk_ids == tokens.unsqueeze(-1)).any(-1, keepdim=True)
+        stats.set_valid = torch.cat([torch.ones_like(rollout.topk_ids, dtype=torch.bool), ~a_in_topk], -1)
+        mu = torch.cat([rollout.topk_logp.exp(), rollout.logp.exp().unsqueeze(-1)], -1)
+        stats.set_mu = mu.masked_fill(~stats.set_valid, 0.0)
+    if full_red is not None:
+        stats.full = FullReductions(*(_shaped(r, shape) for r in full_red))
+    return stats
+
+
+def _full_reductions(z: Tensor, p: Tensor, lse: Tensor, logq: Tensor) -> Tensor:
+    """[5, n] = (TV, KL(μ‖π), ⟨μ,π⟩, Σ sπ, Σ sπ²) for one chunk; p = softmax(z), logq = log μ."""
+    q = logq.exp()
+    diff = p - q
+    tv = 0.5 * diff.abs().sum(-1)
+    s = diff.sign_()
+    kl_terms = torch.where(q > 0, q * (logq - (z - lse[:, None])), 0.0)
+    sp = s.mul_(p)
+    return torch.stack([tv, kl_terms.sum(-1), (q * p).sum(-1), sp.sum(-1), torch.linalg.vecdot(sp, p)])
+
+
+def _shaped(x: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
+    return None if x is None else x.reshape(shape)
+
+
+def _default_chunk(logits: Tensor, dtype: torch.dtype) -> int:
+    budget = min(max(CHUNK_FRACTION * logits.numel() * logits.element_size(), CHUNK_MIN_BYTES), CHUNK_MAX_BYTES)
+    # Two temporaries of the compute dtype per row: the upcast logits and their exponentials.
+    per_row = 2 * logits.shape[-1] * torch.finfo(dtype).bits // 8
+    return max(1, int(budget // per_row))
+
+
+def _row_chunks(logits: Tensor, rows: int) -> Iterator[tuple[slice, Tensor]]:
+    """Yields (slice of flat positions, [rows, V] view) without copying non-contiguous logits."""
+    vocab = logits.shape[-1]
+    try:
+        flat = logits.view(-1, vocab)
+    except RuntimeError:
+        # e.g. logits[:, :-1] of a [B, T+1, V] tensor: each leading index is still a contiguous block.
+        per = logits[0].numel() // vocab if logits.dim() > 1 else 1
+        for i in range(logits.shape[0]):
+            for sl, chunk in _row_chunks(logits[i], rows):
+                yield slice(i * per + sl.start, i * per + sl.stop), chunk
+        return
+    for start in range(0, flat.shape[0], rows):
+        stop = min(start + rows, flat.shape[0])
+        yield slice(start, stop), flat[start:stop]
+
+
+class _GatherLogProb(torch.autograd.Function):
+    """log π(a) = z_a − lse(z) [N] with a chunked backward: ∂/∂z = g·(e_a − softmax(z)), no [N, V] float32 copy."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, lse: Tensor, rows: int) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.rows = rows
+        flat = logits.reshape(-1, logits.shape[-1]) if logits.is_contiguous() else None
+        if flat is not None:
+            picked = flat.gather(-1, tokens[:, None]).squeeze(-1)
+        else:
+            picked = logits.gather(-1, tokens.reshape(logits.shape[:-1] + (1,))).reshape(-1)
+        return picked.to(lse.dtype) - lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        logits, tokens, lse = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        flat_grad = grad.view(-1, logits.shape[-1])
+        for sl, chunk in _row_chunks(logits, ctx.rows):
+            g = grad_out[sl].to(lse.dtype)
+            p = torch.sub(chunk.to(lse.dtype), lse[sl, None]).exp_().mul_(-g[:, None])
+            p.scatter_add_(-1, tokens[sl, None], g[:, None])
+            flat_grad[sl] = p
+        return grad, None, None, None
+
+
+__all__ = ["PolicyStats", "FullReductions", "policy_stats"]

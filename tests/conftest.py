@@ -1,0 +1,36 @@
+"""Shared builders: random positions with a full μ, and their RolloutLogprobs at each information level."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pdmask import RolloutLogprobs
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def make_case(n: int, vocab: int, k: int, *, seed: int = 0, drift: float = 0.7, dtype=torch.float64):
+    """n positions: logits z [n, V], log μ [n, V] (float64), sampled tokens a ~ μ [n], top-K of μ."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 2.0
+    logmu = torch.log_softmax(z + drift * torch.randn(n, vocab, generator=g, dtype=torch.float64), -1)
+    a = torch.multinomial(logmu.exp(), 1, generator=g).squeeze(-1)
+    top = logmu.topk(k, -1)
+    return z.to(dtype), logmu, a, top.indices, top.values
+
+
+def rollout_of(logmu, a, topk_ids=None, topk_logp=None, full=False) -> RolloutLogprobs:
+    return RolloutLogprobs(
+        logmu.gather(-1, a[..., None]).squeeze(-1),
+        topk_ids=topk_ids,
+        topk_logp=topk_logp,
+        full_logp=logmu if full else None,
+    )
+
+
+@pytest.fixture
+def case():
+    return make_case(16, 64, 5)

@@ -1,0 +1,188 @@
+"""method.md's checks 1-4: the closed forms, the estimators and the divergences against float64 references."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import make_case, rollout_of
+from pdmask import RolloutLogprobs, divergence, policy_stats, predicted_change
+from pdmask import reference as ref
+
+SETTINGS = settings(max_examples=40, deadline=None)
+DTYPES = st.sampled_from([torch.float64, torch.float32, torch.bfloat16])
+
+
+@st.composite
+def cases(draw, min_vocab=2, max_vocab=2000):
+    vocab = draw(st.integers(min_vocab, max_vocab))
+    k = draw(st.integers(1, vocab))
+    n = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**31 - 1))
+    drift = draw(st.sampled_from([0.05, 0.5, 2.0]))
+    return make_case(n, vocab, k, seed=seed, drift=drift)
+
+
+def _tol(dtype):
+    return {torch.float64: (1e-9, 1e-7), torch.float32: (2e-5, 1e-3), torch.bfloat16: (2e-5, 1e-3)}[dtype]
+
+
+@SETTINGS
+@given(cases(max_vocab=500), st.sampled_from(["tv", "kl"]))
+def test_check1_full_G_matches_finite_differences(c, kind):
+    z, logmu, a, ids, vals = c
+    stats = policy_stats(z, a, rollout_of(logmu, a, full=True))
+    fd = ref.finite_difference(z, logmu.exp(), a, kind)
+    g = predicted_change(stats, kind, "full")
+    assert torch.allclose(g, fd, rtol=1e-4, atol=1e-8), (g, fd)
+
+
+@SETTINGS
+@given(cases(), st.sampled_from(["tv", "kl"]), DTYPES)
+def test_fast_paths_match_float64_references(c, kind, dtype):
+    z, logmu, a, ids, vals = c
+    z = z.to(dtype)
+    zr = z.double()  # the reference sees exactly the values the fast path was given
+    mu = logmu.exp()
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True))
+    atol, rtol = _tol(dtype)
+    expect = {
+        ("G", "full"): ref.predicted_change(zr, mu, a, kind),
+        ("G", "bucket"): ref.bucket_change(zr, mu, a, ids, kind),
+        ("G", "tail"): ref.tail_change(zr, mu, a, ids, kind),
+        ("D", "full"): ref.DIVERGENCES[kind](torch.softmax(zr, -1), mu),
+        ("D", "topk"): ref.topk_divergence(zr, mu, a, ids, kind),
+        ("D", "binary"): ref.binary_divergence(zr, mu, a, kind),
+    }
+    for (what, how), want in expect.items():
+        got = predicted_change(stats, kind, how) if what == "G" else divergence(stats, kind, how)
+        assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert torch.allclose(got.double(), want, rtol=rtol, atol=atol), (what, how, got, want)
+
+
+@SETTINGS
+@given(st.integers(2, 300), st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]))
+def test_check2_estimators_agree_when_S_covers_the_support(vocab, seed, kind):
+    z, logmu, a, ids, vals = make_case(4, vocab, vocab, seed=seed)
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True))
+    full = predicted_change(stats, kind, "full")
+    for est in ("bucket", "tail"):
+        assert torch.allclose(predicted_change(stats, kind, est), full, rtol=1e-7, atol=1e-10)
+
+
+@SETTINGS
+@given(st.integers(3, 300), st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]))
+def test_check2_estimators_agree_with_one_token_outside_S(vocab, seed, kind):
+    z, logmu, a, _, _ = make_case(1, vocab, 1, seed=seed)
+    outside = (a + 1) % vocab
+    ids = torch.tensor([i for i in range(vocab) if i != outside.item()])[None]
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True))
+    full = predicted_change(stats, kind, "full")
+    for est in ("bucket", "tail"):
+        assert torch.allclose(predicted_change(stats, kind, est), full, rtol=1e-6, atol=1e-10)
+
+
+@SETTINGS
+@given(st.integers(4, 1000), st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]))
+def test_check2_tail_is_exact_when_mu_tail_is_proportional(vocab, seed, kind):
+    z, logmu, a, ids, _ = make_case(3, vocab, max(1, vocab // 5), seed=seed)
+    pi = torch.softmax(z, -1)
+    in_s = ref.set_mask(a, ids, vocab)
+    mu_s = torch.where(in_s, logmu.exp(), 0.0)
+    scale = (1 - mu_s.sum(-1, keepdim=True)) / torch.where(in_s, 0.0, pi).sum(-1, keepdim=True)
+    mu = torch.where(in_s, mu_s, pi * scale)
+    logmu = mu.log()
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True))
+    assert torch.allclose(predicted_change(stats, kind, "tail"), predicted_change(stats, kind, "full"), atol=1e-10)
+
+
+@SETTINGS
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]), st.sampled_from(["full", "bucket", "tail"]))
+def test_check3_two_categories_sign_is_the_ratio_sign(seed, kind, est):
+    z, logmu, a, ids, vals = make_case(8, 2, 1, seed=seed)
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True))
+    g = predicted_change(stats, kind, est)
+    assert torch.equal(torch.sign(g), torch.sign(stats.pi_a - stats.mu_a))
+
+
+def test_check4_only_logp_carries_gradient(case):
+    z, logmu, a, ids, vals = case
+    z = z.clone().requires_grad_(True)
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True))
+    assert stats.logp.requires_grad
+    detached = [stats.rollout_logp, stats.sq_norm, stats.set_logp, stats.set_mu, stats.ratio, stats.pi_a]
+    detached += [getattr(stats.full, f) for f in ("tv", "kl", "mu_dot_pi", "sign_pi", "sign_pi2")]
+    for kind in ("tv", "kl"):
+        detached += [predicted_change(stats, kind, e) for e in ("full", "bucket", "tail")]
+        detached += [divergence(stats, kind, i) for i in ("binary", "topk", "full")]
+    assert not any(t.requires_grad for t in detached)
+
+
+def test_logp_gradient_matches_autograd_of_log_softmax():
+    z, logmu, a, _, _ = make_case(6, 40, 3, seed=3)
+    z = z.requires_grad_(True)
+    g = torch.randn(6, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda x: policy_stats(x, a, rollout_of(logmu, a), chunk_size=4).logp * g, (z,)
+    )
+    (mine,) = torch.autograd.grad((policy_stats(z, a, rollout_of(logmu, a), chunk_size=4).logp * g).sum(), z)
+    (plain,) = torch.autograd.grad((torch.log_softmax(z, -1).gather(-1, a[:, None]).squeeze(-1) * g).sum(), z)
+    assert torch.allclose(mine, plain, atol=1e-12)
+
+
+@SETTINGS
+@given(st.integers(1, 40), st.integers(0, 2**31 - 1))
+def test_chunked_and_unchunked_statistics_agree(chunk, seed):
+    z, logmu, a, ids, vals = make_case(37, 120, 6, seed=seed, dtype=torch.float32)
+    rollout = rollout_of(logmu, a, ids, vals, full=True)
+    one, many = policy_stats(z, a, rollout, chunk_size=10_000), policy_stats(z, a, rollout, chunk_size=chunk)
+    for f in ("logp", "sq_norm", "set_logp"):
+        assert torch.allclose(getattr(one, f), getattr(many, f), atol=1e-6)
+    for f in ("tv", "kl", "mu_dot_pi", "sign_pi", "sign_pi2"):
+        assert torch.allclose(getattr(one.full, f), getattr(many.full, f), atol=1e-6)
+
+
+def test_non_contiguous_logits_are_not_copied_and_agree():
+    z, logmu, a, ids, vals = make_case(3 * 9, 50, 4, seed=1, dtype=torch.float32)
+    big = torch.randn(3, 10, 50)
+    big[:, :9] = z.reshape(3, 9, 50)
+    sliced = big[:, :9].requires_grad_(False)
+    r = rollout_of(logmu.reshape(3, 9, 50), a.reshape(3, 9), ids.reshape(3, 9, 4), vals.reshape(3, 9, 4))
+    s1 = policy_stats(sliced, a.reshape(3, 9), r, chunk_size=4)
+    s2 = policy_stats(sliced.contiguous(), a.reshape(3, 9), r, chunk_size=4)
+    assert torch.allclose(s1.sq_norm, s2.sq_norm) and torch.allclose(s1.set_logp, s2.set_logp)
+    leaf = big.clone().requires_grad_(True)
+    policy_stats(leaf[:, :9], a.reshape(3, 9), r, chunk_size=4).logp.sum().backward()
+    leaf2 = big.clone().requires_grad_(True)
+    torch.log_softmax(leaf2[:, :9], -1).gather(-1, a.reshape(3, 9, 1)).sum().backward()
+    assert torch.allclose(leaf.grad, leaf2.grad, atol=1e-6)
+
+
+def test_sampled_token_inside_or_outside_topk_gives_the_same_set():
+    z, logmu, a, ids, vals = make_case(1, 30, 3, seed=5)
+    a_in = ids[:, :1].squeeze(-1)
+    s_in = policy_stats(z, a_in, rollout_of(logmu, a_in, ids, vals))
+    assert s_in.set_valid[0].tolist() == [True, True, True, False]
+    a_out = torch.tensor([int(torch.ones(30).index_fill(0, ids[0], 0).nonzero()[0])])
+    s_out = policy_stats(z, a_out, rollout_of(logmu, a_out, ids, vals))
+    assert s_out.set_valid[0].all()
+
+
+def test_bf16_logits_are_upcast_and_differentiable():
+    z, logmu, a, ids, vals = make_case(8, 100, 5, seed=2)
+    zb = z.to(torch.bfloat16).requires_grad_(True)
+    stats = policy_stats(zb, a, rollout_of(logmu, a, ids, vals))
+    assert stats.logp.dtype == torch.float32
+    stats.logp.sum().backward()
+    assert zb.grad.dtype == torch.bfloat16 and torch.isfinite(zb.grad.float()).all()
+    want = torch.log_softmax(zb.detach().double(), -1).gather(-1, a[:, None]).squeeze(-1)
+    assert torch.allclose(stats.logp.double(), want, atol=1e-5)
+
+
+def test_rollout_info_levels():
+    z, logmu, a, ids, vals = make_case(2, 10, 3)
+    assert rollout_of(logmu, a).info == "binary"
+    assert rollout_of(logmu, a, ids, vals).info == "topk"
+    assert rollout_of(logmu, a, full=True).info == "full"
+    assert isinstance(rollout_of(logmu, a), RolloutLogprobs)
