@@ -109,14 +109,18 @@ def policy_stats(
     topk_logp_pi = None if topk_ids is None else torch.empty(topk_ids.shape, dtype=dtype, device=logits.device)
     full_red = None if full_logp is None else torch.empty(5, n, dtype=dtype, device=logits.device)
     with torch.no_grad():
+        # Reused buffers: fresh [rows, V] allocations per chunk cost page faults comparable to the exp itself.
+        exp_buf = torch.empty(min(rows, n), vocab, dtype=dtype, device=logits.device)
+        up_buf = None if logits.dtype == dtype else torch.empty_like(exp_buf)
         for sl, chunk in _row_chunks(logits.detach(), rows):
-            z = chunk.to(dtype)
+            rows_here = sl.stop - sl.start
+            z = chunk if up_buf is None else up_buf[:rows_here].copy_(chunk)
             m = z.amax(-1, keepdim=True)
-            e = torch.sub(z, m).exp_()
+            e = torch.sub(z, m, out=exp_buf[:rows_here]).exp_()
             s1 = e.sum(-1)
             lse[sl] = m.squeeze(-1) + s1.log()
             if sq_norm is not None:
-                sq_norm[sl] = torch.linalg.vecdot(e, e) / s1.square()
+                sq_norm[sl] = torch.linalg.vector_norm(e, dim=-1).square() / s1.square()
             if topk_logp_pi is not None:
                 topk_logp_pi[sl] = z.gather(-1, topk_ids[sl]) - lse[sl, None]
             if full_red is not None:
@@ -198,9 +202,10 @@ class _GatherLogProb(torch.autograd.Function):
         logits, tokens, lse = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         flat_grad = grad.view(-1, logits.shape[-1])
+        buf = torch.empty(min(ctx.rows, lse.numel()), logits.shape[-1], dtype=lse.dtype, device=logits.device)
         for sl, chunk in _row_chunks(logits, ctx.rows):
             g = grad_out[sl].to(lse.dtype)
-            p = torch.sub(chunk.to(lse.dtype), lse[sl, None]).exp_().mul_(-g[:, None])
+            p = buf[: sl.stop - sl.start].copy_(chunk).sub_(lse[sl, None]).exp_().mul_(-g[:, None])
             p.scatter_add_(-1, tokens[sl, None], g[:, None])
             flat_grad[sl] = p
         return grad, None, None, None

@@ -1,0 +1,161 @@
+"""`pdmask bench`: time and peak memory of the mask statistics at real vocabulary sizes, as ratios in one run.
+
+Paths, each on the same logits [N, V] (no gradient), K = 20:
+  plain       log_softmax(logits.float()) + gather of log π(a)          (what every trainer already does)
+  dppo_torch  log_softmax(logits.float()) + gathers at a and the top-K  (DPPO's statistics, plain torch)
+  dppo_topk   pdmask.policy_stats without ‖π‖² + the dppo_topk_tv mask  (DPPO's statistics, chunked)
+  pdm_tail    pdmask.policy_stats with ‖π‖² + the pdm_tail_tv mask      (PDM's statistics, chunked)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from pdmask.methods import trust_region_mask
+from pdmask.rollout import RolloutLogprobs
+from pdmask.stats import policy_stats
+
+HELP = "Benchmark time and peak memory of the PDM tail statistics against the plain pass and DPPO's top-K statistics."
+
+FULL_GRID = [(v, n, d) for v in (32_000, 151_936) for n in (1_024, 4_096) for d in ("float32", "bfloat16")]
+QUICK_GRID = [(32_000, 1_024, "float32"), (32_000, 1_024, "bfloat16"), (151_936, 1_024, "bfloat16")]
+PATHS = ("plain", "dppo_torch", "dppo_topk", "pdm_tail")
+
+
+@dataclass
+class Row:
+    vocab: int
+    positions: int
+    dtype: str
+    ms: dict[str, float]
+    peak_mib: dict[str, float]
+    logits_mib: float
+
+    @property
+    def tail_vs_dppo(self) -> float:
+        return self.ms["pdm_tail"] / self.ms["dppo_topk"]
+
+
+def make_inputs(vocab: int, n: int, dtype: torch.dtype, k: int = 20, seed: int = 0):
+    """Logits [n, V] and a rollout whose μ is a perturbed π: sampled tokens, log μ(a), top-K of μ."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, vocab, generator=g) * 3).to(dtype)
+    tokens = torch.empty(n, dtype=torch.long)
+    logp = torch.empty(n)
+    ids = torch.empty(n, k, dtype=torch.long)
+    vals = torch.empty(n, k)
+    for s in range(0, n, 256):  # chunked so that setup does not dominate peak memory
+        logmu = torch.log_softmax(logits[s : s + 256].float() + 0.3 * torch.randn(min(256, n - s), vocab, generator=g), -1)
+        tokens[s : s + 256] = torch.multinomial(logmu.exp(), 1, generator=g).squeeze(-1)
+        logp[s : s + 256] = logmu.gather(-1, tokens[s : s + 256, None]).squeeze(-1)
+        top = logmu.topk(k, -1)
+        ids[s : s + 256], vals[s : s + 256] = top.indices, top.values
+    return logits, tokens, RolloutLogprobs(logp, ids, vals), torch.randn(n, generator=g)
+
+
+def paths(logits: Tensor, tokens: Tensor, rollout: RolloutLogprobs, adv: Tensor) -> dict[str, Callable[[], object]]:
+    def plain():
+        return torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None])
+
+    def dppo_torch():
+        lsm = torch.log_softmax(logits.float(), -1)
+        return lsm.gather(-1, tokens[:, None]), lsm.gather(-1, rollout.topk_ids)
+
+    def dppo_topk():
+        return trust_region_mask("dppo_topk_tv", policy_stats(logits, tokens, rollout, need_sq_norm=False), adv)
+
+    def pdm_tail():
+        return trust_region_mask("pdm_tail_tv", policy_stats(logits, tokens, rollout), adv)
+
+    return {"plain": plain, "dppo_torch": dppo_torch, "dppo_topk": dppo_topk, "pdm_tail": pdm_tail}
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak of the bytes allocated while fn runs (and its result lives), from the profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+        del out
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def measure(vocab: int, n: int, dtype: str, repeats: int) -> Row:
+    logits, tokens, rollout, adv = make_inputs(vocab, n, getattr(torch, dtype))
+    fns = paths(logits, tokens, rollout, adv)
+    times: dict[str, list[float]] = {p: [] for p in PATHS}
+    with torch.no_grad():
+        for fn in fns.values():
+            fn()  # warm-up
+        for _ in range(repeats):
+            for name, fn in fns.items():  # interleaved, so that machine noise hits every path alike
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        peaks = {name: peak_bytes(fn) / 2**20 for name, fn in fns.items()}
+    return Row(
+        vocab, n, dtype, {p: 1e3 * statistics.median(t) for p, t in times.items()}, peaks,
+        logits.numel() * logits.element_size() / 2**20,
+    )
+
+
+def render(rows: list[Row]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"pdmask bench: policy_stats + mask, K = 20, median of repeats, {torch.get_num_threads()} threads")
+    for col in ("V", "N", "logits", "plain ms", "dppo_torch ms", "dppo_topk ms", "pdm_tail ms",
+                "tail/dppo_topk", "tail/dppo_torch", "tail/plain", "tail extra mem", "dppo_torch extra mem"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            f"{r.vocab:,}", f"{r.positions:,}", r.dtype,
+            *(f"{r.ms[p]:.1f}" for p in PATHS),
+            f"{r.tail_vs_dppo:.2f}x", f"{r.ms['pdm_tail'] / r.ms['dppo_torch']:.2f}x",
+            f"{r.ms['pdm_tail'] / r.ms['plain']:.2f}x",
+            f"{r.peak_mib['pdm_tail']:.1f} MiB ({100 * r.peak_mib['pdm_tail'] / r.logits_mib:.1f}%)",
+            f"{r.peak_mib['dppo_torch']:.0f} MiB ({100 * r.peak_mib['dppo_torch'] / r.logits_mib:.0f}%)",
+        )
+    console = Console(width=max(Console().width, 190))
+    console.print(table)
+    Console().print(
+        "Targets: tail/dppo_topk <= 1.15x; tail extra memory <= 10% of the logits. "
+        "'extra mem' = peak bytes allocated above the logits tensor (profiler memory events)."
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="three configurations (N = 1,024) instead of the full grid")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per path (default 5, quick 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    grid = QUICK_GRID if args.quick else FULL_GRID
+    repeats = args.repeats or (3 if args.quick else 5)
+    if repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    from rich.progress import track
+
+    rows = [measure(v, n, d, repeats) for v, n, d in track(grid, description="benchmarking", transient=True)]
+    render(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) | {"tail_vs_dppo_topk": r.tail_vs_dppo} for r in rows], f, indent=1)
+    return 0
