@@ -190,11 +190,7 @@ class _GatherLogProb(torch.autograd.Function):
     def forward(ctx, logits: Tensor, tokens: Tensor, lse: Tensor, rows: int) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(logits, tokens, lse)
         ctx.rows = rows
-        flat = logits.reshape(-1, logits.shape[-1]) if logits.is_contiguous() else None
-        if flat is not None:
-            picked = flat.gather(-1, tokens[:, None]).squeeze(-1)
-        else:
-            picked = logits.gather(-1, tokens.reshape(logits.shape[:-1] + (1,))).reshape(-1)
+        picked = logits.gather(-1, tokens.reshape(logits.shape[:-1] + (1,))).reshape(-1)
         return picked.to(lse.dtype) - lse
 
     @staticmethod
