@@ -126,3 +126,21 @@ def test_low_precision_logits(dtype):
     ref, _ = policy_loss("pdm_tail_tv", zl.detach().float(), a, rollout, adv, mask)
     assert torch.isfinite(loss) and torch.allclose(loss, ref, atol=1e-5)
     assert zl.grad.dtype == dtype
+
+
+def test_padding_outside_the_response_mask_is_ignored():
+    z, a, rollout, adv, mask = batch()
+    pad = ~mask.bool()
+    dirty_a = a.masked_fill(pad, -100)
+    dirty = type(rollout)(
+        rollout.logp.masked_fill(pad, 0.0),
+        rollout.topk_ids.masked_fill(pad[..., None], 0),
+        rollout.topk_logp.masked_fill(pad[..., None], 0.0),
+        rollout.full_logp.masked_fill(pad[..., None], 0.0),
+    )
+    for method in ("pdm_full_kl", "pdm_tail_tv", "dppo_topk_kl", "ppo_clip"):
+        clean_loss, clean_m = policy_loss(method, z, a, rollout, adv, mask)
+        dirty_loss, dirty_m = policy_loss(method, z, dirty_a, dirty, adv, mask)
+        assert torch.allclose(clean_loss, dirty_loss) and clean_m == pytest.approx(dirty_m)
+    with pytest.raises(ValueError, match="tokens contains id -100"):
+        policy_loss("pdm_tail_tv", z, dirty_a, rollout, adv, torch.ones(B, T))

@@ -9,14 +9,13 @@ from pdmask.estimators import divergence, predicted_change
 from pdmask.methods import (
     DELTA_TV,
     MaskMethod,
-    _as_bool_mask,
     _broadcast_advantages,
     beyond_threshold,
     get_method,
     resolve_thresholds,
     trust_region_mask,
 )
-from pdmask.rollout import RolloutLogprobs
+from pdmask.rollout import RolloutLogprobs, as_bool_mask
 from pdmask.stats import PolicyStats, policy_stats
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -54,7 +53,7 @@ def aggregate_loss(
     """
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}; got {agg!r}.")
-    mask = _as_bool_mask(response_mask, loss_mat.shape).to(loss_mat.dtype)
+    mask = as_bool_mask(response_mask, loss_mat.shape).to(loss_mat.dtype)
     masked = loss_mat * mask
     if agg == "token-mean":
         return masked.sum() / mask.sum().clamp_min(1.0)
@@ -112,7 +111,9 @@ def policy_loss(
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}; got {agg!r}.")
     need_sq = m.needs_sq_norm or rollout.info != "binary"  # the disagreement metric uses G_tail / G_full
-    stats = policy_stats(logits, tokens, rollout, chunk_size=chunk_size, need_sq_norm=need_sq)
+    stats = policy_stats(
+        logits, tokens, rollout, chunk_size=chunk_size, need_sq_norm=need_sq, response_mask=response_mask
+    )
     loss_mat, keep = per_token_loss(m, stats, advantages, response_mask, **thresholds)
     loss = aggregate_loss(loss_mat, response_mask, agg, cu_seqlens=cu_seqlens, norm_length=norm_length)
     return loss, mask_metrics(m, stats, advantages, response_mask, keep, **thresholds) | {"loss/policy": loss.item()}
@@ -136,7 +137,7 @@ def mask_metrics(
     """
     m = get_method(method)
     shape = stats.logp.shape
-    mask = _as_bool_mask(response_mask, shape)
+    mask = as_bool_mask(response_mask, shape)
     adv = _broadcast_advantages(advantages, shape).to(stats.rollout_logp.dtype)
     kind, info = (m.kind, m.info) if m.kind else ("tv", stats.info)
     t = resolve_thresholds(m, thresholds)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from pdmask.estimators import divergence, predicted_change
+from pdmask.rollout import as_bool_mask
 from pdmask.stats import PolicyStats
 
 DELTA_TV = 0.15
@@ -190,7 +191,7 @@ def trust_region_mask(
                 direction = predicted_change(stats, m.kind, m.estimator)
             keep = ~(beyond & (adv * direction > 0))
         if response_mask is not None:
-            keep = keep & _as_bool_mask(response_mask, stats.logp.shape)
+            keep = keep & as_bool_mask(response_mask, stats.logp.shape)
     return keep
 
 
@@ -208,18 +209,6 @@ def _broadcast_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
     if not torch.isfinite(advantages).all():
         raise ValueError("advantages contain NaN or inf; normalise rewards with a guard against zero std.")
     return advantages
-
-
-def _as_bool_mask(response_mask: Tensor, shape: torch.Size) -> Tensor:
-    if not isinstance(response_mask, Tensor):
-        raise TypeError(f"response_mask must be a torch.Tensor of 0/1 or bool, got {type(response_mask).__name__}.")
-    if tuple(response_mask.shape) != tuple(shape):
-        raise ValueError(f"response_mask has shape {tuple(response_mask.shape)}; expected {tuple(shape)}.")
-    if response_mask.dtype != torch.bool:
-        if ((response_mask != 0) & (response_mask != 1)).any():
-            raise ValueError("response_mask must hold only 0 and 1 (or be bool).")
-        response_mask = response_mask != 0
-    return response_mask
 
 
 __all__ = ["MaskMethod", "METHODS", "get_method", "trust_region_mask", "beyond_threshold"]

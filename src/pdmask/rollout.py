@@ -67,6 +67,26 @@ class RolloutLogprobs:
         """K, the number of top log-probs (0 without top-K information)."""
         return 0 if self.topk_ids is None else int(self.topk_ids.shape[-1])
 
+    def masked(self, valid: Tensor) -> "RolloutLogprobs":
+        """A copy whose positions outside ``valid`` [...] are neutral (token 0 with μ(0) = 1), so that
+        padding (zeros, -100, repeated ids) is never validated nor used."""
+        shape = tuple(valid.shape)
+        for name, x, lead in (("logp", self.logp, 0), ("topk_ids", self.topk_ids, 1), ("full_logp", self.full_logp, 1)):
+            if x is not None and tuple(x.shape[: x.dim() - lead]) != shape:
+                raise ValueError(f"rollout.{name} has shape {tuple(x.shape)}; its leading shape must be {shape}.")
+        logp = torch.where(valid, self.logp, 0.0)
+        topk_ids = topk_logp = full_logp = None
+        if self.topk_ids is not None and self.topk_logp is not None:
+            col = valid.unsqueeze(-1)
+            topk_ids = torch.where(col, self.topk_ids, torch.arange(self.k, device=valid.device))
+            topk_logp = torch.where(col, self.topk_logp, torch.where(topk_ids == 0, 0.0, -torch.inf))
+        if self.full_logp is not None:
+            vocab = self.full_logp.shape[-1]
+            one_hot0 = torch.full((vocab,), -torch.inf, dtype=self.full_logp.dtype, device=valid.device)
+            one_hot0[0] = 0.0
+            full_logp = torch.where(valid.unsqueeze(-1), self.full_logp, one_hot0)
+        return RolloutLogprobs(logp, topk_ids, topk_logp, full_logp)
+
     def validated(self, tokens: Tensor, vocab_size: int, dtype: torch.dtype) -> "RolloutLogprobs":
         """Checks against the trainer's tokens [...] and vocabulary; returns a copy in ``dtype``.
 
@@ -153,15 +173,29 @@ def _check_logp(name: str, logp: Tensor, allow_neg_inf: bool) -> Tensor:
     return logp.clamp(max=0.0)
 
 
-def check_tokens(tokens: object, vocab_size: int, shape: tuple[int, ...]) -> Tensor:
-    """Checks sampled token ids [...] against the logits' leading shape and vocabulary."""
+def check_tokens(tokens: object, vocab_size: int | None, shape: tuple[int, ...]) -> Tensor:
+    """Checks sampled token ids [...] against the logits' leading shape and (unless None) the vocabulary."""
     _require_tensor("tokens", tokens, floating=False)
     assert isinstance(tokens, Tensor)
     if tuple(tokens.shape) != shape:
         raise ValueError(f"tokens has shape {tuple(tokens.shape)}; expected the logits' leading shape {shape}.")
     tokens = tokens.long()
-    _check_ids("tokens", tokens, vocab_size)
+    if vocab_size is not None:
+        _check_ids("tokens", tokens, vocab_size)
     return tokens
 
 
-__all__ = ["RolloutLogprobs", "check_tokens", "LOGP_TOL", "MASS_TOL"]
+def as_bool_mask(response_mask: object, shape: tuple[int, ...] | torch.Size) -> Tensor:
+    """response_mask [...] of 0/1 or bool, checked against ``shape``, as bool."""
+    if not isinstance(response_mask, Tensor):
+        raise TypeError(f"response_mask must be a torch.Tensor of 0/1 or bool, got {type(response_mask).__name__}.")
+    if tuple(response_mask.shape) != tuple(shape):
+        raise ValueError(f"response_mask has shape {tuple(response_mask.shape)}; expected {tuple(shape)}.")
+    if response_mask.dtype != torch.bool:
+        if ((response_mask != 0) & (response_mask != 1)).any():
+            raise ValueError("response_mask must hold only 0 and 1 (or be bool).")
+        response_mask = response_mask != 0
+    return response_mask
+
+
+__all__ = ["RolloutLogprobs", "as_bool_mask", "check_tokens", "LOGP_TOL", "MASS_TOL"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pdmask.rollout import RolloutLogprobs, check_tokens
+from pdmask.rollout import RolloutLogprobs, as_bool_mask, check_tokens
 
 #: Default budget for the float32 temporaries of one chunk, as a fraction of the logits' size ...
 CHUNK_FRACTION = 0.04
@@ -73,6 +73,7 @@ def policy_stats(
     *,
     chunk_size: int | None = None,
     need_sq_norm: bool = True,
+    response_mask: Tensor | None = None,
 ) -> PolicyStats:
     """Statistics of π = softmax(logits) at the sampled tokens, in one chunked pass.
 
@@ -83,6 +84,8 @@ def policy_stats(
         chunk_size: positions per chunk; by default the chunk's float32 temporaries stay within
             ``CHUNK_FRACTION`` of the logits' size (between 1 MiB and 64 MiB).
         need_sq_norm: compute ‖π‖² = Σ exp(2·log π) (needed by the ``tail`` and ``full`` estimators).
+        response_mask: [...] 0/1; positions outside it may hold any padding in ``tokens`` and ``rollout``
+            (they are replaced by a neutral token before validation; their statistics are meaningless).
     """
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V].")
@@ -92,6 +95,11 @@ def policy_stats(
         raise TypeError(f"rollout must be a pdmask.RolloutLogprobs, got {type(rollout).__name__}.")
     vocab = logits.shape[-1]
     shape = tuple(logits.shape[:-1])
+    if response_mask is not None:
+        valid = as_bool_mask(response_mask, shape)
+        if not valid.all():
+            tokens = torch.where(valid, check_tokens(tokens, None, shape), 0)
+            rollout = rollout.masked(valid)
     tokens = check_tokens(tokens, vocab, shape)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     rollout = rollout.validated(tokens, vocab, dtype)
