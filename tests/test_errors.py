@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_case, rollout_of
+
 from pdmask import RolloutLogprobs, policy_loss, policy_stats, trust_region_mask
 
 N, V, K = 6, 20, 4

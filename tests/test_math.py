@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from conftest import make_case, rollout_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_case, rollout_of
 from pdmask import RolloutLogprobs, divergence, policy_stats, predicted_change
 from pdmask import reference as ref
 

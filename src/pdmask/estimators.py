@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pdmask.stats import PolicyStats
+from pdmask.stats import FullReductions, PolicyStats
 
 KINDS = ("tv", "kl")
 INFOS = ("binary", "topk", "full")
@@ -32,7 +32,7 @@ def divergence(stats: PolicyStats, kind: str, info: str) -> Tensor:
     b = _buckets(stats)
     if kind == "tv":
         return 0.5 * ((b.pi_s - b.mu_s).abs().sum(-1) + (b.pi_r - b.mu_r).abs())
-    set_terms = torch.where(b.mu_s > 0, b.mu_s * (b.mu_s.clamp_min(_tiny(b.mu_s)).log() - stats.set_logp), 0.0)
+    set_terms = torch.where(b.mu_s > 0, b.mu_s * (b.mu_s.clamp_min(_tiny(b.mu_s)).log() - b.logp_s), 0.0)
     return set_terms.sum(-1) + _xlogy_ratio(b.mu_r, b.pi_r)
 
 
@@ -80,6 +80,7 @@ def _tv_form(s_a: Tensor, pi_a: Tensor, sq: Tensor, sign_pi: Tensor, sign_pi2: T
 
 @dataclass
 class _Buckets:
+    logp_s: Tensor  # [..., K+1] log π at S
     pi_s: Tensor  # [..., K+1], 0 at invalid columns
     mu_s: Tensor  # [..., K+1]
     pi_r: Tensor  # [...]
@@ -93,10 +94,10 @@ def _buckets(stats: PolicyStats) -> _Buckets:
         )
     pi_s = stats.set_logp.exp().masked_fill(~stats.set_valid, 0.0)
     mu_s = stats.set_mu
-    return _Buckets(pi_s, mu_s, (1 - pi_s.sum(-1)).clamp_min(0.0), (1 - mu_s.sum(-1)).clamp_min(0.0))
+    return _Buckets(stats.set_logp, pi_s, mu_s, (1 - pi_s.sum(-1)).clamp_min(0.0), (1 - mu_s.sum(-1)).clamp_min(0.0))
 
 
-def _require_full(stats: PolicyStats):
+def _require_full(stats: PolicyStats) -> FullReductions:
     if stats.full is None:
         raise ValueError("this estimate needs μ over the whole vocabulary: pass RolloutLogprobs(full_logp=...).")
     return stats.full
@@ -122,4 +123,4 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
 
 
-__all__ = ["divergence", "predicted_change", "KINDS", "INFOS", "ESTIMATORS"]
+__all__ = ["ESTIMATORS", "INFOS", "KINDS", "divergence", "predicted_change"]

@@ -139,7 +139,7 @@ def mask_metrics(
     shape = stats.logp.shape
     mask = as_bool_mask(response_mask, shape)
     adv = _broadcast_advantages(advantages, shape).to(stats.rollout_logp.dtype)
-    kind, info = (m.kind, m.info) if m.kind else ("tv", stats.info)
+    kind, info = ("tv", stats.info) if m.kind is None or m.info is None else (m.kind, m.info)
     t = resolve_thresholds(m, thresholds)
     delta_low, delta_high = t.get("delta_low", DELTA_TV), t.get("delta_high", DELTA_TV)
     d = divergence(stats, kind, info)
@@ -176,8 +176,8 @@ def _quantile(x: Tensor, q: float) -> float:
     if x.numel() == 0:
         return 0.0
     # kthvalue has no size limit, unlike torch.quantile.
-    k = min(x.numel(), max(1, int(round(q * (x.numel() - 1))) + 1))
+    k = min(x.numel(), max(1, round(q * (x.numel() - 1)) + 1))
     return x.kthvalue(k).values.item()
 
 
-__all__ = ["AGG_MODES", "per_token_loss", "aggregate_loss", "policy_loss", "mask_metrics"]
+__all__ = ["AGG_MODES", "aggregate_loss", "mask_metrics", "per_token_loss", "policy_loss"]

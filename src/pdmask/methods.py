@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 import torch
 from torch import Tensor
@@ -211,4 +211,4 @@ def _broadcast_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
     return advantages
 
 
-__all__ = ["MaskMethod", "METHODS", "get_method", "trust_region_mask", "beyond_threshold"]
+__all__ = ["METHODS", "MaskMethod", "beyond_threshold", "get_method", "trust_region_mask"]

@@ -89,12 +89,12 @@ def _nonzero(p: Tensor) -> Tensor:
 
 
 __all__ = [
-    "tv",
-    "kl",
-    "predicted_change",
-    "finite_difference",
-    "topk_divergence",
     "binary_divergence",
     "bucket_change",
+    "finite_difference",
+    "kl",
+    "predicted_change",
     "tail_change",
+    "topk_divergence",
+    "tv",
 ]

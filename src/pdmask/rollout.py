@@ -40,6 +40,7 @@ class RolloutLogprobs:
                 "rollout.topk_ids and rollout.topk_logp come together: pass both (top-K information) or neither."
             )
         if self.topk_ids is not None:
+            assert self.topk_logp is not None
             _require_tensor("rollout.topk_ids", self.topk_ids, floating=False)
             _require_tensor("rollout.topk_logp", self.topk_logp, floating=True)
             if self.topk_ids.shape != self.topk_logp.shape:
@@ -67,7 +68,7 @@ class RolloutLogprobs:
         """K, the number of top log-probs (0 without top-K information)."""
         return 0 if self.topk_ids is None else int(self.topk_ids.shape[-1])
 
-    def masked(self, valid: Tensor) -> "RolloutLogprobs":
+    def masked(self, valid: Tensor) -> RolloutLogprobs:
         """A copy whose positions outside ``valid`` [...] are neutral (token 0 with μ(0) = 1), so that
         padding (zeros, -100, repeated ids) is never validated nor used."""
         shape = tuple(valid.shape)
@@ -87,7 +88,7 @@ class RolloutLogprobs:
             full_logp = torch.where(valid.unsqueeze(-1), self.full_logp, one_hot0)
         return RolloutLogprobs(logp, topk_ids, topk_logp, full_logp)
 
-    def validated(self, tokens: Tensor, vocab_size: int, dtype: torch.dtype) -> "RolloutLogprobs":
+    def validated(self, tokens: Tensor, vocab_size: int, dtype: torch.dtype) -> RolloutLogprobs:
         """Checks against the trainer's tokens [...] and vocabulary; returns a copy in ``dtype``.
 
         Raises ValueError naming the argument for every inconsistency; clamps log-probs within LOGP_TOL of 0.
@@ -110,6 +111,7 @@ class RolloutLogprobs:
                 sorted_ids = topk_ids.sort(dim=-1).values
                 if (sorted_ids[..., 1:] == sorted_ids[..., :-1]).any():
                     raise ValueError("rollout.topk_ids has a duplicate id at some position; top-K ids must be distinct.")
+            assert self.topk_logp is not None
             topk_logp = _check_logp("rollout.topk_logp", self.topk_logp.to(device=tokens.device, dtype=dtype), True)
             in_topk = topk_ids == tokens.unsqueeze(-1)
             if in_topk.any():
@@ -198,4 +200,4 @@ def as_bool_mask(response_mask: object, shape: tuple[int, ...] | torch.Size) -> 
     return response_mask
 
 
-__all__ = ["RolloutLogprobs", "as_bool_mask", "check_tokens", "LOGP_TOL", "MASS_TOL"]
+__all__ = ["LOGP_TOL", "MASS_TOL", "RolloutLogprobs", "as_bool_mask", "check_tokens"]

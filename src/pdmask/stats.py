@@ -129,9 +129,9 @@ def policy_stats(
             lse[sl] = m.squeeze(-1) + s1.log()
             if sq_norm is not None:
                 sq_norm[sl] = torch.linalg.vector_norm(e, dim=-1).square() / s1.square()
-            if topk_logp_pi is not None:
+            if topk_ids is not None and topk_logp_pi is not None:
                 topk_logp_pi[sl] = z.gather(-1, topk_ids[sl]) - lse[sl, None]
-            if full_red is not None:
+            if full_logp is not None and full_red is not None:
                 full_red[:, sl] = _full_reductions(z, e.div_(s1[:, None]), lse[sl], full_logp[sl].to(dtype))
     if not torch.isfinite(lse).all():
         raise ValueError("logits contain NaN or +inf (or a row of only -inf); the trainer's logits must be finite.")
@@ -140,15 +140,15 @@ def policy_stats(
     if not torch.isfinite(logp).all():
         raise ValueError("logits are -inf at a sampled token: the trainer gives that token probability zero.")
     stats = PolicyStats(logp=logp.reshape(shape), rollout_logp=rollout.logp, sq_norm=_shaped(sq_norm, shape))
-    if topk_logp_pi is not None:
+    if rollout.topk_ids is not None and rollout.topk_logp is not None and topk_logp_pi is not None:
         a_logp = logp.detach().reshape(shape + (1,))
         stats.set_logp = torch.cat([topk_logp_pi.reshape(shape + (-1,)), a_logp], -1)
-        a_in_topk = (rollout.topk_ids == tokens.unsqueeze(-1)).any(-1, keepdim=True)
+        a_in_topk = torch.eq(rollout.topk_ids, tokens.unsqueeze(-1)).any(-1, keepdim=True)
         stats.set_valid = torch.cat([torch.ones_like(rollout.topk_ids, dtype=torch.bool), ~a_in_topk], -1)
         mu = torch.cat([rollout.topk_logp.exp(), rollout.logp.exp().unsqueeze(-1)], -1)
         stats.set_mu = mu.masked_fill(~stats.set_valid, 0.0)
     if full_red is not None:
-        stats.full = FullReductions(*(_shaped(r, shape) for r in full_red))
+        stats.full = FullReductions(*(r.reshape(shape) for r in full_red))
     return stats
 
 
@@ -215,4 +215,4 @@ class _GatherLogProb(torch.autograd.Function):
         return grad, None, None, None
 
 
-__all__ = ["PolicyStats", "FullReductions", "policy_stats"]
+__all__ = ["FullReductions", "PolicyStats", "policy_stats"]
