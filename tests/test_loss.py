@@ -25,13 +25,15 @@ def batch(seed=0, dtype=torch.float32):
 
 
 def verl_agg(loss_mat, mask, mode):
+    """verl's agg_loss, written out; sequences without response tokens do not count in seq-means."""
     if mode == "token-mean":
         return (loss_mat * mask).sum() / mask.sum()
-    seq = (loss_mat * mask).sum(-1)
+    nonempty = mask.sum(-1) > 0
+    seq = (loss_mat * mask).sum(-1)[nonempty]
     if mode == "seq-mean-token-sum":
         return seq.mean()
     if mode == "seq-mean-token-mean":
-        return (seq / mask.sum(-1)).mean()
+        return (seq / mask.sum(-1)[nonempty]).mean()
     return seq.sum() / mask.shape[-1]
 
 
@@ -39,8 +41,13 @@ def verl_agg(loss_mat, mask, mode):
 def test_aggregation_matches_verl_semantics(agg):
     g = torch.Generator().manual_seed(0)
     loss_mat, mask = torch.randn(4, 6, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()
-    mask[:, 0] = 1
+    mask[1] = 0  # a response masked out entirely (e.g. overlong filtering)
     assert torch.allclose(aggregate_loss(loss_mat, mask, agg), verl_agg(loss_mat, mask, agg))
+    # TRL's padding-free batches are [1, N] with sequence boundaries.
+    lengths = torch.tensor([6, 6, 6, 6])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    packed = aggregate_loss(loss_mat.reshape(1, -1), mask.reshape(1, -1), agg, cu_seqlens=cu, norm_length=6)
+    assert torch.allclose(packed, verl_agg(loss_mat, mask, agg))
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -84,6 +91,10 @@ def test_packed_seq_modes_need_cu_seqlens():
         aggregate_loss(torch.zeros(5), torch.ones(5), "seq-mean-token-mean")
     with pytest.raises(ValueError, match="cu_seqlens must rise"):
         aggregate_loss(torch.zeros(5), torch.ones(5), "seq-mean-token-sum", cu_seqlens=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="cu_seqlens describes packed input"):
+        aggregate_loss(torch.zeros(2, 5), torch.ones(2, 5), "seq-mean-token-sum", cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="norm_length must be a positive int"):
+        aggregate_loss(torch.zeros(2, 5), torch.ones(2, 5), "seq-mean-token-sum-norm", norm_length=-3)
 
 
 def test_all_tokens_dropped_gives_zero_loss_with_a_graph():

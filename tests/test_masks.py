@@ -71,6 +71,11 @@ def test_threshold_overrides_are_used():
     assert trust_region_mask("pdm_full_tv", s, adv).item() is False
     assert trust_region_mask("pdm_full_tv", s, adv, delta_high=0.5).item() is True
     assert trust_region_mask("pdm_full_tv", s, adv, delta_low=0.5).item() is False  # δ_low only for A < 0
+    # With A < 0 only δ_low counts: lowering π_1 at the away-but-converging position raises D (A·G > 0).
+    s, neg = position(*AWAY_BUT_CONVERGING), torch.tensor([-1.0])
+    assert trust_region_mask("pdm_full_tv", s, neg).item() is False
+    assert trust_region_mask("pdm_full_tv", s, neg, delta_low=0.5).item() is True
+    assert trust_region_mask("pdm_full_tv", s, neg, delta_high=0.5).item() is False  # δ_high only for A > 0
 
 
 def test_ppo_clip_band_and_pg_is():
@@ -82,6 +87,11 @@ def test_ppo_clip_band_and_pg_is():
     assert trust_region_mask("ppo_clip", lo, neg).item() is False
     assert trust_region_mask("ppo_clip", lo, pos).item() is True
     assert trust_region_mask("ppo_clip", hi, pos, eps_high=0.6).item() is True
+    # r = 0.85 with A < 0: inside the default band (1 − 0.2), outside with ε_low = 0.1; ε_high plays no part.
+    mid = position([0.34, 0.66], [0.4, 0.6], 0)
+    assert trust_region_mask("ppo_clip", mid, neg).item() is True
+    assert trust_region_mask("ppo_clip", mid, neg, eps_low=0.1).item() is False
+    assert trust_region_mask("ppo_clip", mid, neg, eps_high=0.01).item() is True
     for s in (hi, lo):
         for adv in (pos, neg):
             assert trust_region_mask("pg_is", s, adv).item() is True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import make_case, rollout_of
 from hypothesis import given, settings
@@ -186,3 +187,48 @@ def test_rollout_info_levels():
     assert rollout_of(logmu, a, ids, vals).info == "topk"
     assert rollout_of(logmu, a, full=True).info == "full"
     assert isinstance(rollout_of(logmu, a), RolloutLogprobs)
+
+
+def test_float32_peaked_policy_keeps_its_tail():
+    """π with almost no tail but μ with 10% there: 1 − Σ_S π would be rounding noise in float32."""
+    vocab = 1000
+    z = torch.zeros(1, vocab, dtype=torch.float64)
+    z[0, :2] = 30.0
+    mu = torch.full((1, vocab), 0.1 / (vocab - 2), dtype=torch.float64)
+    mu[0, 0], mu[0, 1] = 0.55, 0.35  # no tie with π = (0.5, 0.5, ~0...), where TV is not differentiable
+    a = torch.tensor([0])
+    top = mu.log().topk(20, -1)
+    rollout = rollout_of(mu.log(), a, top.indices, top.values, full=True)
+    s32, s64 = policy_stats(z.float(), a, rollout), policy_stats(z, a, rollout)
+    for kind in ("tv", "kl"):
+        for est in ("full", "bucket", "tail"):
+            g32, g64 = predicted_change(s32, kind, est).double(), predicted_change(s64, kind, est)
+            assert torch.allclose(g32, g64, rtol=1e-4, atol=1e-6), (kind, est, g32, g64)
+        for info in ("binary", "topk", "full"):
+            assert torch.allclose(divergence(s32, kind, info).double(), divergence(s64, kind, info), rtol=1e-4)
+
+
+def test_float32_binary_kl_of_a_confident_token():
+    vocab = 1000
+    z = torch.zeros(1, vocab, dtype=torch.float64)
+    z[0, 0] = 25.0
+    a = torch.tensor([0])
+    rollout = RolloutLogprobs(torch.tensor([0.999], dtype=torch.float64).log())
+    d32 = divergence(policy_stats(z.float(), a, rollout), "kl", "binary").double()
+    d64 = divergence(policy_stats(z, a, rollout), "kl", "binary")
+    assert torch.allclose(d32, d64, rtol=1e-3) and d64.item() < 0.05
+
+
+def test_neg_inf_topk_logprobs_mean_probability_zero():
+    z, logmu, a, ids, vals = make_case(4, 30, 6, seed=9)
+    vals = vals.clone()
+    vals[:, -2:] = float("-inf")  # the engine's distribution has no mass there (e.g. top-p sampling)
+    a = ids[:, 0]  # sampled among the finite top-K entries
+    rollout = RolloutLogprobs(vals[:, 0], ids, vals)
+    stats = policy_stats(z, a, rollout)
+    for kind in ("tv", "kl"):
+        assert torch.isfinite(divergence(stats, kind, "topk")).all()
+        for est in ("bucket", "tail"):
+            assert torch.isfinite(predicted_change(stats, kind, est)).all()
+    with pytest.raises(ValueError, match="disagrees with rollout.topk_logp"):
+        policy_stats(z, ids[:, -1], RolloutLogprobs(vals[:, 0], ids, vals))

@@ -21,18 +21,20 @@ def divergence(stats: PolicyStats, kind: str, info: str) -> Tensor:
     """D(π, μ) [...]: kind "tv" (½Σ|π−μ|) or "kl" (KL(μ‖π)); info "binary" | "topk" | "full"."""
     _check_choice("kind", kind, KINDS)
     _check_choice("info", info, INFOS)
+    if info == "full":
+        full = _require_full(stats)
+        return full.tv if kind == "tv" else full.kl
     if info == "binary":
         pi, mu = stats.pi_a, stats.mu_a
         if kind == "tv":
             return (pi - mu).abs()
-        return _xlogy_ratio(mu, pi) + _xlogy_ratio(1 - mu, 1 - pi)
-    if info == "full":
-        full = _require_full(stats)
-        return full.tv if kind == "tv" else full.kl
+        # 1 − π_a summed from the other tokens and 1 − μ_a by expm1: exact for confident tokens.
+        others = stats.rest_mass + stats.set_pi.masked_fill(stats.set_ids == stats.set_ids[..., -1:], 0.0).sum(-1)
+        return _xlogy_ratio(mu, pi) + _xlogy_ratio(-torch.expm1(stats.rollout_logp), others)
     b = _buckets(stats)
     if kind == "tv":
         return 0.5 * ((b.pi_s - b.mu_s).abs().sum(-1) + (b.pi_r - b.mu_r).abs())
-    set_terms = torch.where(b.mu_s > 0, b.mu_s * (b.mu_s.clamp_min(_tiny(b.mu_s)).log() - b.logp_s), 0.0)
+    set_terms = torch.where(b.mu_s > 0, b.mu_s * (b.mu_s.clamp_min(_tiny(b.mu_s)).log() - stats.set_logp), 0.0)
     return set_terms.sum(-1) + _xlogy_ratio(b.mu_r, b.pi_r)
 
 
@@ -55,12 +57,12 @@ def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
     b = _buckets(stats)
     set_sq = b.pi_s.square().sum(-1)
     if estimator == "bucket":
-        sq = set_sq + b.pi_r.square()
-        tail_sq = b.pi_r.square()
+        tail_sq = b.pi_r.square()  # the rest bucket counts as one token
+        sq = set_sq + tail_sq
     else:
         sq = _require_sq_norm(stats, estimator)
-        # The tail's share of ‖π‖²; tokens outside S are all that is left of it.
-        tail_sq = (sq - set_sq).clamp_min(0.0)
+        assert stats.tail_sq is not None
+        tail_sq = stats.tail_sq
     if kind == "kl":
         if estimator == "bucket":
             tail_dot = b.mu_r * b.pi_r
@@ -80,7 +82,6 @@ def _tv_form(s_a: Tensor, pi_a: Tensor, sq: Tensor, sign_pi: Tensor, sign_pi2: T
 
 @dataclass
 class _Buckets:
-    logp_s: Tensor  # [..., K+1] log π at S
     pi_s: Tensor  # [..., K+1], 0 at invalid columns
     mu_s: Tensor  # [..., K+1]
     pi_r: Tensor  # [...]
@@ -88,13 +89,12 @@ class _Buckets:
 
 
 def _buckets(stats: PolicyStats) -> _Buckets:
-    if stats.set_logp is None or stats.set_mu is None or stats.set_valid is None:
+    if not stats.has_topk:
         raise ValueError(
             "this estimate needs top-K information about μ: pass RolloutLogprobs(topk_ids=..., topk_logp=...)."
         )
-    pi_s = stats.set_logp.exp().masked_fill(~stats.set_valid, 0.0)
     mu_s = stats.set_mu
-    return _Buckets(stats.set_logp, pi_s, mu_s, (1 - pi_s.sum(-1)).clamp_min(0.0), (1 - mu_s.sum(-1)).clamp_min(0.0))
+    return _Buckets(stats.set_pi, mu_s, stats.rest_mass, (1 - mu_s.sum(-1)).clamp_min(0.0))
 
 
 def _require_full(stats: PolicyStats) -> FullReductions:

@@ -45,15 +45,24 @@ def aggregate_loss(
     cu_seqlens: Tensor | None = None,
     norm_length: int | None = None,
 ) -> Tensor:
-    """Scalar loss from loss_mat [B, T] (or packed [N] with cu_seqlens [num_seqs + 1]), as verl's agg_loss.
+    """Scalar loss from loss_mat [B, T] (or packed [N] / [1, N] with cu_seqlens [num_seqs + 1]), as verl's agg_loss.
 
     token-mean: Σ loss / #tokens; seq-mean-token-sum: mean_s Σ_t; seq-mean-token-mean: mean_s mean_t;
     seq-mean-token-sum-norm (Dr. GRPO): Σ loss / norm_length, norm_length = T by default (the longest
-    sequence for packed input). Empty masks give 0, never NaN.
+    sequence for packed input: pass norm_length to keep one constant). Like current verl, the seq-mean
+    modes average over sequences with at least one response token. Empty masks give 0, never NaN.
     """
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}; got {agg!r}.")
+    if norm_length is not None and (not isinstance(norm_length, int) or norm_length < 1):
+        raise ValueError(f"norm_length must be a positive int (the Dr. GRPO constant), got {norm_length!r}.")
     mask = as_bool_mask(response_mask, loss_mat.shape).to(loss_mat.dtype)
+    if cu_seqlens is not None and loss_mat.dim() == 2:
+        if loss_mat.shape[0] != 1:
+            raise ValueError(
+                f"cu_seqlens describes packed input [N] or [1, N]; loss_mat has shape {tuple(loss_mat.shape)}."
+            )
+        loss_mat, mask = loss_mat[0], mask[0]
     masked = loss_mat * mask
     if agg == "token-mean":
         return masked.sum() / mask.sum().clamp_min(1.0)
@@ -65,12 +74,11 @@ def aggregate_loss(
         seq_sum, seq_count, seq_len = masked.sum(-1), mask.sum(-1), loss_mat.shape[-1]
     else:
         raise ValueError(f"loss_mat must be [B, T] or packed [N] for agg={agg!r}; got shape {tuple(loss_mat.shape)}.")
-    if seq_sum.numel() == 0:
-        return masked.sum()
+    num_seqs = (seq_count > 0).sum().clamp_min(1)
     if agg == "seq-mean-token-sum":
-        return seq_sum.mean()
+        return seq_sum.sum() / num_seqs
     if agg == "seq-mean-token-mean":
-        return (seq_sum / seq_count.clamp_min(1.0)).mean()
+        return (seq_sum / seq_count.clamp_min(1.0)).sum() / num_seqs
     return seq_sum.sum() / float(norm_length or max(seq_len, 1))
 
 

@@ -20,8 +20,6 @@ EPS_LOW = 0.2
 EPS_HIGH = 0.28
 RATIO_CAP = 10.0
 
-_INFO_RANK = {"binary": 0, "topk": 1, "full": 2}
-
 
 @dataclass(frozen=True)
 class MaskMethod:
@@ -146,11 +144,13 @@ def resolve_thresholds(method: MaskMethod, overrides: Mapping[str, float | None]
 
 
 def check_information(method: MaskMethod, stats: PolicyStats) -> None:
-    if _INFO_RANK[stats.info] < _INFO_RANK[method.needs]:
+    """Raises unless the rollout gave what the method needs (top-K ids for top-K, full_logp for full)."""
+    missing = (method.needs == "topk" and not stats.has_topk) or (method.needs == "full" and not stats.has_full)
+    if missing:
         hint = "topk_ids=..., topk_logp=..." if method.needs == "topk" else "full_logp=..."
         raise ValueError(
-            f"method {method.name!r} needs {method.needs} information about μ but the rollout has only "
-            f"{stats.info}: pass RolloutLogprobs({hint})."
+            f"method {method.name!r} needs {method.needs} information about μ, which the rollout does not have: "
+            f"pass RolloutLogprobs({hint})."
         )
 
 

@@ -115,7 +115,7 @@ class RolloutLogprobs:
             topk_logp = _check_logp("rollout.topk_logp", self.topk_logp.to(device=tokens.device, dtype=dtype), True)
             in_topk = topk_ids == tokens.unsqueeze(-1)
             if in_topk.any():
-                gap = (topk_logp - logp.unsqueeze(-1)).abs()[in_topk & torch.isfinite(topk_logp)]
+                gap = (topk_logp - logp.unsqueeze(-1)).abs()[in_topk]
                 if gap.numel() and gap.max() > 1e-3:
                     raise ValueError(
                         "rollout.logp disagrees with rollout.topk_logp at the sampled token by up to "

@@ -32,16 +32,23 @@ class FullReductions:
 class PolicyStats:
     """Per-position statistics of π (from the trainer's logits) and μ (from the rollout).
 
-    Only ``logp`` carries a gradient. Top-K fields describe S = TopK(μ) ∪ {a} as K+1 columns (the K
-    top-K ids, then a); the last column is invalid when a is already among the top-K ids.
+    Only ``logp`` carries a gradient. S is the set of tokens whose μ is known: TopK(μ) ∪ {a} with
+    top-K information ({a} with binary information), stored as columns with a last; a column is
+    invalid when it repeats a (a among the top-K ids). Masses off S are summed exactly in the pass,
+    not as 1 − Σ_S π, so peaked distributions keep their tails in float32.
     """
 
     logp: Tensor  # [...] log π(a), differentiable
     rollout_logp: Tensor  # [...] log μ(a)
-    sq_norm: Tensor | None = None  # [...] ‖π‖²
-    set_logp: Tensor | None = None  # [..., K+1] log π at S
-    set_mu: Tensor | None = None  # [..., K+1] μ at S (0 at invalid columns)
-    set_valid: Tensor | None = None  # [..., K+1] bool
+    has_topk: bool  # the rollout gave μ's top-K (otherwise S = {a})
+    has_full: bool  # the rollout gave μ over the whole vocabulary
+    set_ids: Tensor  # [..., C] token ids of S (C = K+1, or 1 for binary), a last
+    set_logp: Tensor  # [..., C] log π at S
+    set_mu: Tensor  # [..., C] μ at S, 0 at invalid columns
+    set_valid: Tensor  # [..., C] bool
+    rest_mass: Tensor  # [...] π_R = Σ_{j∉S} π_j
+    tail_sq: Tensor | None = None  # [...] Q = Σ_{j∉S} π_j²
+    sq_norm: Tensor | None = None  # [...] ‖π‖² = Σ_S π_j² + Q
     full: FullReductions | None = None
 
     @property
@@ -61,9 +68,13 @@ class PolicyStats:
 
     @property
     def info(self) -> str:
-        if self.full is not None:
-            return "full"
-        return "topk" if self.set_logp is not None else "binary"
+        """The richest information about μ: "full", "topk" or "binary"."""
+        return "full" if self.has_full else "topk" if self.has_topk else "binary"
+
+    @property
+    def set_pi(self) -> Tensor:
+        """π at S [..., C], 0 at invalid columns."""
+        return self.set_logp.exp().masked_fill(~self.set_valid, 0.0)
 
 
 def policy_stats(
@@ -108,13 +119,16 @@ def policy_stats(
 
     n = tokens.numel()
     flat_tokens = tokens.reshape(n)
-    topk_ids = None if rollout.topk_ids is None else rollout.topk_ids.reshape(n, -1)
+    set_ids = flat_tokens[:, None] if rollout.topk_ids is None else torch.cat(
+        [rollout.topk_ids.reshape(n, -1), flat_tokens[:, None]], -1
+    )
     full_logp = None if rollout.full_logp is None else rollout.full_logp.reshape(n, vocab)
     rows = chunk_size or _default_chunk(logits, dtype)
 
     lse = torch.empty(n, dtype=dtype, device=logits.device)
-    sq_norm = torch.empty_like(lse) if need_sq_norm else None
-    topk_logp_pi = None if topk_ids is None else torch.empty(topk_ids.shape, dtype=dtype, device=logits.device)
+    set_logp = torch.empty(set_ids.shape, dtype=dtype, device=logits.device)
+    rest = torch.empty_like(lse)
+    tail_sq = torch.empty_like(lse) if need_sq_norm else None
     full_red = None if full_logp is None else torch.empty(5, n, dtype=dtype, device=logits.device)
     with torch.no_grad():
         # Reused buffers: fresh [rows, V] allocations per chunk cost page faults comparable to the exp itself.
@@ -127,26 +141,40 @@ def policy_stats(
             e = torch.sub(z, m, out=exp_buf[:rows_here]).exp_()
             s1 = e.sum(-1)
             lse[sl] = m.squeeze(-1) + s1.log()
-            if sq_norm is not None:
-                sq_norm[sl] = torch.linalg.vector_norm(e, dim=-1).square() / s1.square()
-            if topk_ids is not None and topk_logp_pi is not None:
-                topk_logp_pi[sl] = z.gather(-1, topk_ids[sl]) - lse[sl, None]
+            set_logp[sl] = z.gather(-1, set_ids[sl]) - lse[sl, None]
             if full_logp is not None and full_red is not None:
-                full_red[:, sl] = _full_reductions(z, e.div_(s1[:, None]), lse[sl], full_logp[sl].to(dtype))
+                full_red[:, sl] = _full_reductions(z, e / s1[:, None], lse[sl], full_logp[sl].to(dtype))
+            e.scatter_(-1, set_ids[sl], 0.0)  # what is left is the tail off S
+            rest[sl] = e.sum(-1) / s1
+            if tail_sq is not None:
+                tail_sq[sl] = torch.linalg.vector_norm(e, dim=-1).square() / s1.square()
     if not torch.isfinite(lse).all():
         raise ValueError("logits contain NaN or +inf (or a row of only -inf); the trainer's logits must be finite.")
 
     logp = _GatherLogProb.apply(logits, flat_tokens, lse, rows)
     if not torch.isfinite(logp).all():
         raise ValueError("logits are -inf at a sampled token: the trainer gives that token probability zero.")
-    stats = PolicyStats(logp=logp.reshape(shape), rollout_logp=rollout.logp, sq_norm=_shaped(sq_norm, shape))
-    if rollout.topk_ids is not None and rollout.topk_logp is not None and topk_logp_pi is not None:
-        a_logp = logp.detach().reshape(shape + (1,))
-        stats.set_logp = torch.cat([topk_logp_pi.reshape(shape + (-1,)), a_logp], -1)
+    if rollout.topk_ids is None or rollout.topk_logp is None:
+        set_valid = torch.ones(shape + (1,), dtype=torch.bool, device=logits.device)
+        set_mu = rollout.logp.exp().unsqueeze(-1)
+    else:
         a_in_topk = torch.eq(rollout.topk_ids, tokens.unsqueeze(-1)).any(-1, keepdim=True)
-        stats.set_valid = torch.cat([torch.ones_like(rollout.topk_ids, dtype=torch.bool), ~a_in_topk], -1)
-        mu = torch.cat([rollout.topk_logp.exp(), rollout.logp.exp().unsqueeze(-1)], -1)
-        stats.set_mu = mu.masked_fill(~stats.set_valid, 0.0)
+        set_valid = torch.cat([torch.ones_like(rollout.topk_ids, dtype=torch.bool), ~a_in_topk], -1)
+        set_mu = torch.cat([rollout.topk_logp.exp(), rollout.logp.exp().unsqueeze(-1)], -1).masked_fill(~set_valid, 0.0)
+    stats = PolicyStats(
+        logp=logp.reshape(shape),
+        rollout_logp=rollout.logp,
+        has_topk=rollout.topk_ids is not None,
+        has_full=rollout.full_logp is not None,
+        set_ids=set_ids.reshape(shape + (-1,)),
+        set_logp=set_logp.reshape(shape + (-1,)),
+        set_mu=set_mu,
+        set_valid=set_valid,
+        rest_mass=rest.reshape(shape),
+    )
+    if tail_sq is not None:
+        stats.tail_sq = tail_sq.reshape(shape)
+        stats.sq_norm = stats.set_pi.square().sum(-1) + stats.tail_sq
     if full_red is not None:
         stats.full = FullReductions(*(r.reshape(shape) for r in full_red))
     return stats
@@ -161,10 +189,6 @@ def _full_reductions(z: Tensor, p: Tensor, lse: Tensor, logq: Tensor) -> Tensor:
     kl_terms = torch.where(q > 0, q * (logq - (z - lse[:, None])), 0.0)
     sp = s.mul_(p)
     return torch.stack([tv, kl_terms.sum(-1), (q * p).sum(-1), sp.sum(-1), torch.linalg.vecdot(sp, p)])
-
-
-def _shaped(x: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
-    return None if x is None else x.reshape(shape)
 
 
 def _default_chunk(logits: Tensor, dtype: torch.dtype) -> int:
