@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdmask import RolloutLogprobs, divergence, policy_stats, predicted_change
+from pdmask.stats import stats_from_set
 from pdmask import reference as ref
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -232,3 +233,22 @@ def test_neg_inf_topk_logprobs_mean_probability_zero():
             assert torch.isfinite(predicted_change(stats, kind, est)).all()
     with pytest.raises(ValueError, match="disagrees with rollout.topk_logp"):
         policy_stats(z, ids[:, -1], RolloutLogprobs(vals[:, 0], ids, vals))
+
+
+@pytest.mark.parametrize("with_topk", [True, False])
+def test_stats_from_set_matches_policy_stats(with_topk):
+    z, logmu, a, ids, vals = make_case(12, 300, 7, seed=11, drift=1.0)
+    rollout = rollout_of(logmu, a, ids, vals) if with_topk else rollout_of(logmu, a)
+    full = policy_stats(z, a, rollout)
+    logsm = torch.log_softmax(z, -1)
+    cols = torch.cat([ids, a[:, None]], -1) if with_topk else a[:, None]
+    parts = stats_from_set(
+        logsm.gather(-1, a[:, None]).squeeze(-1), a, rollout.validated(a, 300, torch.float64),
+        logsm.gather(-1, cols), sq_norm=logsm.exp().square().sum(-1),
+    )
+    kinds_infos = [("binary", None)] + ([("topk", "bucket"), ("topk", "tail")] if with_topk else [])
+    for kind in ("tv", "kl"):
+        for info, est in kinds_infos:
+            assert torch.allclose(divergence(parts, kind, info), divergence(full, kind, info), atol=1e-9)
+            if est:
+                assert torch.allclose(predicted_change(parts, kind, est), predicted_change(full, kind, est), atol=1e-9)

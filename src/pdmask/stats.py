@@ -154,13 +154,7 @@ def policy_stats(
     logp = _GatherLogProb.apply(logits, flat_tokens, lse, rows)
     if not torch.isfinite(logp).all():
         raise ValueError("logits are -inf at a sampled token: the trainer gives that token probability zero.")
-    if rollout.topk_ids is None or rollout.topk_logp is None:
-        set_valid = torch.ones(shape + (1,), dtype=torch.bool, device=logits.device)
-        set_mu = rollout.logp.exp().unsqueeze(-1)
-    else:
-        a_in_topk = torch.eq(rollout.topk_ids, tokens.unsqueeze(-1)).any(-1, keepdim=True)
-        set_valid = torch.cat([torch.ones_like(rollout.topk_ids, dtype=torch.bool), ~a_in_topk], -1)
-        set_mu = torch.cat([rollout.topk_logp.exp(), rollout.logp.exp().unsqueeze(-1)], -1).masked_fill(~set_valid, 0.0)
+    set_valid, set_mu = _set_columns(tokens, rollout)
     stats = PolicyStats(
         logp=logp.reshape(shape),
         rollout_logp=rollout.logp,
@@ -178,6 +172,52 @@ def policy_stats(
     if full_red is not None:
         stats.full = FullReductions(*(r.reshape(shape) for r in full_red))
     return stats
+
+
+def stats_from_set(
+    logp: Tensor, tokens: Tensor, rollout: RolloutLogprobs, set_logp: Tensor, *, sq_norm: Tensor | None = None
+) -> PolicyStats:
+    """PolicyStats from what a trainer's own forward already has, with no pass over the vocabulary here.
+
+    Args:
+        logp: log π(a) [...], as the trainer computed it (keeps its gradient).
+        tokens: a [...]; rollout: μ, already ``validated`` against the tokens (binary or top-K).
+        set_logp: log π at S [..., C], the columns of ``rollout.topk_ids`` then a (C = 1 for binary).
+        sq_norm: ‖π‖² [...] if the trainer's forward reduced it (needed by ``tail``).
+    Off S nothing is summed, so π_R = 1 − π(S) (by expm1) and Q = ‖π‖² − Σ_S π² (clamped into
+    [0, π_R²], the range the true value lies in): less precise than ``policy_stats`` when π_R < ~1e-6.
+    """
+    set_valid, set_mu = _set_columns(tokens, rollout)
+    set_ids = tokens.unsqueeze(-1) if rollout.topk_ids is None else torch.cat([rollout.topk_ids, tokens.unsqueeze(-1)], -1)
+    if set_logp.shape != set_ids.shape:
+        raise ValueError(f"set_logp has shape {tuple(set_logp.shape)}; expected {tuple(set_ids.shape)} (top-K ids, then a).")
+    in_set = torch.logsumexp(set_logp.detach().masked_fill(~set_valid, -torch.inf), -1)
+    stats = PolicyStats(
+        logp=logp,
+        rollout_logp=rollout.logp,
+        has_topk=rollout.topk_ids is not None,
+        has_full=False,
+        set_ids=set_ids,
+        set_logp=set_logp.detach(),
+        set_mu=set_mu,
+        set_valid=set_valid,
+        rest_mass=(-torch.expm1(in_set)).clamp_min(0.0),
+    )
+    if sq_norm is not None:
+        set_sq = stats.set_pi.square().sum(-1)
+        stats.tail_sq = torch.minimum((sq_norm.detach() - set_sq).clamp_min(0.0), stats.rest_mass.square())
+        stats.sq_norm = set_sq + stats.tail_sq
+    return stats
+
+
+def _set_columns(tokens: Tensor, rollout: RolloutLogprobs) -> tuple[Tensor, Tensor]:
+    """(set_valid, set_mu) [..., C] for S = TopK ∪ {a} (or {a}); a's own column is invalid when a ∈ TopK."""
+    if rollout.topk_ids is None or rollout.topk_logp is None:
+        return torch.ones(tokens.shape + (1,), dtype=torch.bool, device=tokens.device), rollout.logp.exp().unsqueeze(-1)
+    a_in_topk = torch.eq(rollout.topk_ids, tokens.unsqueeze(-1)).any(-1, keepdim=True)
+    set_valid = torch.cat([torch.ones_like(rollout.topk_ids, dtype=torch.bool), ~a_in_topk], -1)
+    set_mu = torch.cat([rollout.topk_logp.exp(), rollout.logp.exp().unsqueeze(-1)], -1).masked_fill(~set_valid, 0.0)
+    return set_valid, set_mu
 
 
 def _full_reductions(z: Tensor, p: Tensor, lse: Tensor, logq: Tensor) -> Tensor:
@@ -239,4 +279,4 @@ class _GatherLogProb(torch.autograd.Function):
         return grad, None, None, None
 
 
-__all__ = ["FullReductions", "PolicyStats", "policy_stats"]
+__all__ = ["FullReductions", "PolicyStats", "policy_stats", "stats_from_set"]
