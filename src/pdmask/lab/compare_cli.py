@@ -1,0 +1,98 @@
+"""`pdmask compare`: a sweep of masks x seeds x sizes x rollout precisions, with report.md/json and plots."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+HELP = "Compare the masks in small RL runs under precision mismatch and staleness; writes a report."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preset",
+        default="default",
+        help="smoke (<1 min), default (<10 min on 2 cores) or paper (about a day on 2 cores; rerun to resume)",
+    )
+    parser.add_argument("--out", default="runs/compare", help="output folder (report.md, report.json, plots/, runs/)")
+    parser.add_argument("--methods", help="comma-separated methods (overrides the preset)")
+    parser.add_argument("--seeds", type=int, help="number of seeds 0..N-1 (overrides the preset)")
+    parser.add_argument("--models", help="comma-separated model sizes (overrides the preset)")
+    parser.add_argument(
+        "--rollout-dtypes", help="comma-separated rollout precisions fp32,bf16,fp16 (overrides the preset)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a shared config field (repeatable)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(os.cpu_count() or 1, 8),
+        help="parallel runs (one torch thread each; default: CPU count, at most 8)",
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="delete earlier runs in --out instead of reusing/resuming them"
+    )
+    parser.add_argument("--estimate", action="store_true", help="print the estimated run time and exit")
+
+
+def build_sweep(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from pdmask.lab.config import PRESETS, ConfigError, config_from, parse_overrides
+
+    if args.preset not in PRESETS:
+        raise ConfigError(f"--preset: unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    sweep = PRESETS[args.preset]
+    changes = {}
+    split = lambda s: tuple(x.strip() for x in s.split(",") if x.strip())
+    if args.methods:
+        changes["methods"] = split(args.methods)
+    if args.seeds is not None:
+        changes["seeds"] = tuple(range(args.seeds))
+    if args.models:
+        changes["models"] = split(args.models)
+    if args.rollout_dtypes:
+        changes["rollout_dtypes"] = split(args.rollout_dtypes)
+    if args.overrides:
+        changes["base"] = config_from(parse_overrides(args.overrides), base=sweep.base)
+    return replace(sweep, **changes).validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdmask.lab.compare import estimate_seconds, run_sweep, write_report
+    from pdmask.lab.config import ConfigError
+
+    try:
+        sweep = build_sweep(args)
+    except ConfigError as e:
+        print(f"pdmask compare: config error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    n = len(sweep.configs())
+    print(f"pdmask compare: preset {args.preset!r}, {n} runs, {args.workers} worker(s), output {out}")
+    if args.preset == "paper" or args.estimate:
+        est = estimate_seconds(sweep, args.workers)
+        print(
+            f"estimated run time: {est / 60:.1f} min ({est / 3600:.2f} h) with {args.workers} worker(s); resumable: rerun the same command to continue"
+        )
+        if args.estimate:
+            return 0
+    out.mkdir(parents=True, exist_ok=True)
+    info = run_sweep(sweep, out, args.workers, fresh=args.fresh)
+    report = write_report(sweep, out, args.preset, info | {"workers": args.workers})
+    print()
+    for s in report["settings"].values():
+        print(s["verdict"].replace("**", ""))
+    print(f"\nwall time {info['wall_time_s']:.0f} s; report: {out / 'report.md'}")
+    if info["failed"]:
+        print(f"{len(info['failed'])} run(s) failed:", *info["failed"], sep="\n  ", file=sys.stderr)
+        return 1
+    return 0

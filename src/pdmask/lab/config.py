@@ -1,0 +1,328 @@
+"""Run configuration: one flat dataclass, validated before any work starts, and the sweep presets.
+
+Fairness: a sweep varies only ``method``, ``seed``, ``model`` and ``rollout_dtype``; every other
+field (data, optimizer, thresholds left at the method defaults, ...) is shared by all runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdmask import AGG_MODES, METHODS
+from pdmask.lab.engine import DTYPES, dtype_supported
+from pdmask.lab.models import POLICY_NAMES, SIZES, is_pretrained
+from pdmask.lab.tasks import TASK_NAMES, SequenceTask
+
+
+class ConfigError(ValueError):
+    """A bad configuration, reported before any work starts."""
+
+
+@dataclass(frozen=True)
+class Config:
+    # What a sweep varies.
+    method: str = "pdm_tail_tv"  # any key of pdmask.METHODS
+    seed: int = 0
+    model: str = "tiny"  # tiny | small | medium | smollm2-135m | hf:PATH
+    rollout_dtype: str = "bf16"  # the rollout engine's precision: fp32 | bf16 | fp16 (trainer: fp32)
+    # Task.
+    task: str = "sort"  # copy | reverse | sort (TinyGPT) | arithmetic (pretrained chat models)
+    task_length: int = 6
+    num_symbols: int = 32
+    reward: str = "exact"  # exact (0/1) | partial (share of positions right); sequence tasks
+    max_operand: int = 50  # arithmetic: a + b with a, b in [0, max_operand]
+    heldout_size: int = 256
+    vocab_size: int = 512  # TinyGPT vocabulary (symbols use the first ids; the rest is the tail)
+    # Rollout.
+    top_k: int = 20  # top-K log-probs the engine returns (vLLM logprobs=K)
+    temperature: float = 1.0
+    mu: str = "rollout"  # rollout: the engine's log-probs | recompute: the trainer's pi_old (full)
+    # RL. The defaults (those of the default sweep) make staleness matter: 2 epochs x 8 minibatches
+    # = 16 Adam steps per rollout batch, the last one 15 steps off-policy.
+    steps: int = 150
+    prompts_per_step: int = 16
+    group_size: int = 8
+    epochs: int = 2  # passes over each rollout batch
+    minibatches: int = 8  # optimizer steps per pass: staleness = epochs * minibatches - 1 steps at most
+    lr: float = 1e-4
+    grad_clip: float = 1.0
+    agg: str = "token-mean"
+    # Thresholds shared by every method of a kind; None = the method's default (method.md).
+    delta_tv: float | None = None
+    delta_kl: float | None = None
+    eps_low: float | None = None
+    eps_high: float | None = None
+    ratio_cap: float | None = None
+    # Evaluation: greedy held-out accuracy every eval_every steps (and at the start and the end).
+    eval_every: int = 15
+    # SFT warm start (TinyGPT only), cached on disk keyed by the fields it depends on.
+    sft_steps: int = 200
+    sft_lr: float = 3e-3
+    sft_batch: int = 64
+    # Infrastructure.
+    threads: int = 1  # torch threads for this run
+    checkpoint_every: int = 1
+    tensorboard: bool = True
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def thresholds(self) -> dict[str, float]:
+        """Keyword thresholds for pdmask.policy_loss (only those the method takes; None = default)."""
+        m = METHODS[self.method]
+        if m.kind is not None:
+            delta = self.delta_tv if m.kind == "tv" else self.delta_kl
+            values = {"delta_low": delta, "delta_high": delta}
+        elif m.rule == "ppo_clip":
+            values = {"eps_low": self.eps_low, "eps_high": self.eps_high}
+        else:
+            values = {}
+        return {k: v for k, v in {**values, "ratio_cap": self.ratio_cap}.items() if v is not None}
+
+    def task_kwargs(self) -> dict[str, Any]:
+        if self.task == "arithmetic":
+            return {"max_operand": self.max_operand, "heldout_size": self.heldout_size}
+        return {
+            "length": self.task_length,
+            "num_symbols": self.num_symbols,
+            "reward": self.reward,
+            "heldout_size": self.heldout_size,
+        }
+
+    def block_size(self) -> int:
+        return self.task_length + 2 + self.task_length + 2  # prompt + longest response
+
+    def sft_key(self) -> str:
+        """Hash of everything the SFT warm start depends on (not the method, dtype or RL settings)."""
+        keys = (
+            "seed",
+            "model",
+            "task",
+            "task_length",
+            "num_symbols",
+            "vocab_size",
+            "sft_steps",
+            "sft_lr",
+            "sft_batch",
+            "heldout_size",
+        )
+        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> Config:
+        """Raise ConfigError naming the field for every bad setting; cheap (no model is built)."""
+
+        def bad(msg: str) -> None:
+            raise ConfigError(msg)
+
+        if self.method not in METHODS:
+            bad(f"method: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.model not in SIZES and self.model != "smollm2-135m" and not self.model.startswith("hf:"):
+            bad(f"model: unknown policy {self.model!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if self.rollout_dtype not in DTYPES:
+            bad(f"rollout_dtype: unknown precision {self.rollout_dtype!r}; choose one of {', '.join(DTYPES)}")
+        if not dtype_supported(self.rollout_dtype):
+            bad(f"rollout_dtype: {self.rollout_dtype} is not supported on this CPU/torch build")
+        if self.task not in TASK_NAMES:
+            bad(f"task: unknown task {self.task!r}; choose one of {', '.join(TASK_NAMES)}")
+        if is_pretrained(self.model) != (self.task == "arithmetic"):
+            bad(
+                f"task: {self.task!r} does not fit model {self.model!r} (token tasks need tiny/small/medium; 'arithmetic' needs a pretrained model)"
+            )
+        if self.task in SequenceTask.KINDS:
+            if self.vocab_size < 4 + self.num_symbols:
+                bad(f"vocab_size: {self.vocab_size} is too small for {self.num_symbols} symbols plus 4 special tokens")
+            if self.top_k > self.vocab_size:
+                bad(f"top_k: K = {self.top_k} is larger than the vocabulary ({self.vocab_size})")
+            if self.task_length < 1 or self.num_symbols < 2:
+                bad("task_length must be >= 1 and num_symbols >= 2")
+            if self.num_symbols**self.task_length < 4 * self.heldout_size:
+                bad(
+                    f"heldout_size: {self.heldout_size} held-out prompts need a task space of at least 4x that ({self.num_symbols}^{self.task_length})"
+                )
+        elif (self.max_operand + 1) ** 2 < 4 * self.heldout_size:
+            bad(
+                f"heldout_size: {self.heldout_size} held-out prompts need max_operand >= {math.isqrt(4 * self.heldout_size)}"
+            )
+        if self.reward not in ("partial", "exact"):
+            bad(f"reward: must be 'partial' or 'exact', got {self.reward!r}")
+        if self.top_k < 1:
+            bad(f"top_k: must be >= 1, got {self.top_k}")
+        if self.mu not in ("rollout", "recompute"):
+            bad(f"mu: must be 'rollout' or 'recompute', got {self.mu!r}")
+        if self.agg not in AGG_MODES:
+            bad(f"agg: must be one of {', '.join(AGG_MODES)}, got {self.agg!r}")
+        if self.group_size < 2:
+            bad(f"group_size: must be >= 2 (group-normalised advantages need a group), got {self.group_size}")
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "epochs",
+            "minibatches",
+            "eval_every",
+            "threads",
+            "checkpoint_every",
+            "heldout_size",
+            "sft_batch",
+        ):
+            if getattr(self, name) < 1:
+                bad(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.sft_steps < 0:
+            bad(f"sft_steps: must be >= 0, got {self.sft_steps}")
+        if self.batch_size % self.minibatches:
+            bad(
+                f"minibatches: {self.minibatches} does not divide the batch of {self.prompts_per_step} x {self.group_size} = {self.batch_size} sequences"
+            )
+        if not self.temperature > 0:
+            bad(f"temperature: must be > 0, got {self.temperature}")
+        for name in ("lr", "grad_clip", "sft_lr"):
+            if not getattr(self, name) > 0:
+                bad(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("delta_tv", "delta_kl", "eps_low", "eps_high", "ratio_cap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                bad(f"{name}: must be > 0 (or unset for the method default), got {value}")
+        return self
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    """A value from a file or ``--set key=value`` converted to the field's type."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    if name not in fields:
+        raise ConfigError(f"{name}: unknown config field; known fields: {', '.join(fields)}")
+    default = fields[name].default
+    if not isinstance(raw, str):
+        return raw
+    if raw.lower() in ("none", "null") and (default is None or name.startswith(("delta", "eps", "ratio"))):
+        return None
+    try:
+        if isinstance(default, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float) or default is None:
+            return float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{name}: cannot read {raw!r} as {type(default).__name__ if default is not None else 'float'}"
+        ) from None
+    return raw
+
+
+def config_from(values: dict[str, Any], base: Config | None = None) -> Config:
+    """A validated Config from a dict of field values over ``base`` (default: Config())."""
+    base = base or Config()
+    try:
+        cfg = base.replace(**{k: _coerce(k, v) for k, v in values.items()})
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+    return cfg.validate()
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read a .json or .toml config file, apply ``key=value`` overrides, validate."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.suffix == ".toml":
+        if sys.version_info < (3, 11):
+            raise ConfigError("TOML configs need Python 3.11+; use a .json config")
+        import tomllib
+
+        values = tomllib.loads(path.read_text())
+    elif path.suffix == ".json":
+        values = json.loads(path.read_text())
+    else:
+        raise ConfigError(f"config file {path}: expected .json or .toml")
+    return config_from({**values, **parse_overrides(overrides)})
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+# ----------------------------------------------------------------------------- sweeps
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """methods x seeds x models x rollout precisions over one shared base config."""
+
+    base: Config
+    methods: tuple[str, ...]
+    seeds: tuple[int, ...]
+    models: tuple[str, ...]
+    rollout_dtypes: tuple[str, ...]
+    description: str = ""
+
+    def configs(self) -> list[Config]:
+        return [
+            self.base.replace(method=m, seed=s, model=size, rollout_dtype=dt)
+            for size in self.models
+            for dt in self.rollout_dtypes
+            for s in self.seeds
+            for m in self.methods
+        ]
+
+    def validate(self) -> Sweep:
+        if not (self.methods and self.seeds and self.models and self.rollout_dtypes):
+            raise ConfigError("sweep: methods, seeds, models and rollout precisions must each have at least one entry")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(f"seeds: duplicate seed in {self.seeds}")
+        for cfg in self.configs():
+            cfg.validate()
+        return self
+
+
+CORE_METHODS = ("ppo_clip", "pg_is", "dppo_binary_tv", "dppo_topk_tv", "pdm_bucket_tv", "pdm_tail_tv")
+
+PRESETS: dict[str, Sweep] = {
+    "smoke": Sweep(
+        Config(steps=3, eval_every=3, sft_steps=30, heldout_size=64, reward="partial"),  # partial: non-zero advantages
+        CORE_METHODS,
+        (0,),
+        ("tiny",),
+        ("bf16",),
+        "CI check: every core method for 3 steps, one seed (well under a minute).",
+    ),
+    "default": Sweep(
+        Config(),
+        CORE_METHODS,
+        (0, 1, 2),
+        ("tiny",),
+        ("bf16",),
+        "Six masks x 3 seeds on the tiny policy with bf16 rollouts (under 10 minutes on 2 cores).",
+    ),
+    "paper": Sweep(
+        Config(),
+        tuple(METHODS),
+        (0, 1, 2, 3, 4),
+        tuple(SIZES),
+        ("fp32", "bf16", "fp16"),
+        "Every method x 5 seeds x 3 sizes x fp32/bf16/fp16 rollouts (about a day on 2 cores; resumable).",
+    ),
+}

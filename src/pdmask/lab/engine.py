@@ -1,0 +1,184 @@
+"""The rollout engine: a low-precision copy of the policy that samples like vLLM with ``logprobs=K``.
+
+It returns, per response position, the sampled token's log-prob log μ(a) and the top-K ids and
+log-probs of μ (K configurable), all computed in float32 from the engine's logits, which come out of
+a forward pass in the engine's precision (fp32, bf16 or fp16). The trainer keeps float32 weights, so
+the two really disagree, as vLLM and FSDP do. ``sync`` copies the trainer's weights (cast) after
+each optimizer step batch.
+
+``sample(policy, prompts, ...)`` is the same sampler without a copy (for evaluation, greedy with
+temperature 0).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+from pdmask import RolloutLogprobs
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_supported(name: str) -> bool:
+    """Whether this CPU/torch build runs the ops a transformer needs in that precision."""
+    dt = DTYPES[name]
+    try:
+        x = torch.randn(2, 3, 8).to(dt)
+        y = torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], is_causal=True)
+        torch.nn.functional.layer_norm(y, (8,)) @ torch.randn(8, 4).to(dt)
+        return True
+    except RuntimeError:
+        return False
+
+
+@dataclass
+class Rollout:
+    """A batch of N = prompts × group_size sampled sequences (prompt length P, response length R)."""
+
+    input_ids: Tensor  # [N, P + R] int64: left-padded prompt, then response (pad after EOS)
+    attention_mask: Tensor  # [N, P + R] int64: 0 on left padding
+    tokens: Tensor  # [N, R] int64: the response tokens
+    response_mask: Tensor  # [N, R] bool: generated tokens up to and including EOS
+    logp: Tensor  # [N, R] float32: log mu(a) of the sampled token
+    topk_ids: Tensor  # [N, R, K] int64: the engine's K most likely tokens
+    topk_logp: Tensor  # [N, R, K] float32: their log-probs
+    full_logp: Tensor | None = None  # [N, R, V] float32 when the engine was asked for it
+
+    @property
+    def prompt_len(self) -> int:
+        return self.input_ids.shape[1] - self.tokens.shape[1]
+
+    def response_logits(self, logits: Tensor) -> Tensor:
+        """Logits of a forward pass over input_ids [N, P + R, V] -> those that predict the response [N, R, V]."""
+        return logits[:, self.prompt_len - 1 : -1]
+
+    def rollout_logprobs(self, with_full: bool = False) -> RolloutLogprobs:
+        """What the trainer knows about mu, as pdmask.RolloutLogprobs (top-K; full only if asked and present)."""
+        return RolloutLogprobs(
+            self.logp, topk_ids=self.topk_ids, topk_logp=self.topk_logp, full_logp=self.full_logp if with_full else None
+        )
+
+    def select(self, index: Tensor) -> Rollout:
+        """The sub-batch of rows ``index`` [n]."""
+        return Rollout(
+            **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index] for f in fields(self)}
+        )
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Prompts of different lengths -> input_ids, attention_mask [n, P_max] with padding on the left."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, P - len(p) :] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def sample(
+    policy: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_k_logprobs: int = 20,
+    generator: torch.Generator | None = None,
+    return_full: bool = False,
+) -> Rollout:
+    """Sample one response per prompt (temperature 0 = greedy; log-probs are then at temperature 1).
+
+    The log-probs are log_softmax(logits.float() / temperature), i.e. of the distribution sampled from.
+    """
+    input_ids, attention_mask = left_pad(prompts, pad_id)
+    n = input_ids.shape[0]
+    scale = temperature if temperature > 0 else 1.0
+    logits, cache = policy.prefill(input_ids, attention_mask)
+    done = torch.zeros(n, dtype=torch.bool)
+    out: dict[str, list[Tensor]] = {"tokens": [], "mask": [], "logp": [], "ids": [], "topk": [], "full": []}
+    for _ in range(max_new_tokens):
+        logp_all = torch.log_softmax(logits.float() / scale, dim=-1)  # [n, V]
+        if temperature > 0:
+            tok = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(1)
+        else:
+            tok = logp_all.argmax(-1)
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        topk_logp, topk_ids = logp_all.topk(top_k_logprobs, dim=-1)
+        out["tokens"].append(tok)
+        out["mask"].append(~done)
+        out["logp"].append(logp_all.gather(-1, tok[:, None]).squeeze(1))
+        out["ids"].append(topk_ids)
+        out["topk"].append(topk_logp)
+        if return_full:
+            out["full"].append(logp_all)
+        done = done | (tok == eos_id)
+        attention_mask = torch.cat([attention_mask, torch.ones(n, 1, dtype=torch.long)], dim=1)
+        input_ids = torch.cat([input_ids, tok[:, None]], dim=1)
+        if done.all():
+            break
+        logits, cache = policy.extend(tok, attention_mask, cache)
+    mask = torch.stack(out["mask"], 1)
+    return Rollout(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        tokens=torch.stack(out["tokens"], 1),
+        response_mask=mask,
+        logp=torch.stack(out["logp"], 1),  # at padding: the pad token's log-prob (consistent with top-K)
+        topk_ids=torch.stack(out["ids"], 1),
+        topk_logp=torch.stack(out["topk"], 1),
+        full_logp=torch.stack(out["full"], 1) if return_full else None,
+    )
+
+
+class RolloutEngine:
+    """A copy of the policy in ``dtype`` ("fp32" | "bf16" | "fp16") that generates groups of responses."""
+
+    def __init__(
+        self, policy: nn.Module, dtype: str = "bf16", top_k_logprobs: int = 20, return_full: bool = False
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"rollout_dtype: unknown precision {dtype!r}; choose one of {', '.join(DTYPES)}")
+        if not 1 <= top_k_logprobs <= policy.vocab_size:
+            raise ValueError(f"top_k: must be in [1, vocab size {policy.vocab_size}], got {top_k_logprobs}")
+        self.dtype, self.top_k_logprobs, self.return_full = dtype, top_k_logprobs, return_full
+        self.model = copy.deepcopy(policy).to(DTYPES[dtype]).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def sync(self, policy: nn.Module) -> None:
+        """Load the trainer's weights (cast to the engine's precision), like a vLLM weight update."""
+        for dst, src in zip(self.model.state_dict().values(), policy.state_dict().values(), strict=True):
+            dst.copy_(src)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        group_size: int,
+        temperature: float = 1.0,
+        top_k_logprobs: int | None = None,
+        *,
+        max_new_tokens: int,
+        eos_id: int,
+        pad_id: int,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
+        """group_size responses per prompt; rows are grouped: row i belongs to prompt i // group_size."""
+        repeated = [p for p in prompts for _ in range(group_size)]
+        return sample(
+            self.model,
+            repeated,
+            max_new_tokens=max_new_tokens,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            temperature=temperature,
+            top_k_logprobs=top_k_logprobs or self.top_k_logprobs,
+            generator=generator,
+            return_full=self.return_full,
+        )

@@ -1,0 +1,161 @@
+"""Tasks with verifiable rewards, generated in code, with a fixed held-out set.
+
+- ``copy`` / ``reverse`` / ``sort`` (for TinyGPT): the prompt is ``BOS x_1 .. x_L SEP`` with symbols
+  drawn from ``num_symbols`` values; the answer is the transformed sequence followed by ``EOS``. Reward
+  ``partial`` = fraction of positions right (extra tokens count as wrong), or ``exact`` = 0/1.
+- ``arithmetic`` (for pretrained chat models): "What is a + b?" in natural text through the model's
+  chat template; the answer is the last integer in the completion; reward 0/1.
+
+Every task exposes ``sample(n, generator)`` (training problems, never from the held-out set),
+``heldout`` (a fixed list), ``score(problem, response_ids) -> (reward, correct)``, ``eos_id``,
+``pad_id``, ``max_new_tokens``; the token tasks also ``answer_ids(problem)`` for the SFT warm start.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PAD, BOS, SEP, EOS = 0, 1, 2, 3
+FIRST_SYMBOL = 4  # symbol s is token FIRST_SYMBOL + s; ids beyond the symbols stay unused (the tail)
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt_ids: tuple[int, ...]
+    target: Any  # tuple of symbol tokens (sequence tasks) or int (arithmetic)
+
+
+def _until_eos(response: list[int], eos_id: int) -> list[int]:
+    return response[: response.index(eos_id)] if eos_id in response else response
+
+
+class Task:
+    """Common part: held-out set and training sampling that avoids it."""
+
+    name: str
+    eos_id: int
+    pad_id: int
+    max_new_tokens: int
+
+    def __init__(self, heldout_size: int, heldout_seed: int = 12345) -> None:
+        g = torch.Generator().manual_seed(heldout_seed)
+        seen: dict[tuple[int, ...], Problem] = {}
+        while len(seen) < heldout_size:
+            p = self._draw(g)
+            seen.setdefault(p.prompt_ids, p)
+        self.heldout: list[Problem] = list(seen.values())
+        self._heldout_keys = set(seen)
+
+    def _draw(self, g: torch.Generator) -> Problem:
+        raise NotImplementedError
+
+    def sample(self, n: int, generator: torch.Generator) -> list[Problem]:
+        """n training problems (independent draws, never a held-out prompt)."""
+        out: list[Problem] = []
+        while len(out) < n:
+            p = self._draw(generator)
+            if p.prompt_ids not in self._heldout_keys:
+                out.append(p)
+        return out
+
+    def score(self, problem: Problem, response: list[int]) -> tuple[float, bool]:
+        raise NotImplementedError
+
+
+class SequenceTask(Task):
+    """copy / reverse / sort a sequence of ``length`` symbols out of ``num_symbols``."""
+
+    KINDS = ("copy", "reverse", "sort")
+
+    def __init__(
+        self, kind: str, length: int = 6, num_symbols: int = 32, reward: str = "partial", heldout_size: int = 256
+    ) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"task: unknown sequence task {kind!r}")
+        if reward not in ("partial", "exact"):
+            raise ValueError(f"reward: must be 'partial' or 'exact', got {reward!r}")
+        if length < 1 or num_symbols < 2:
+            raise ValueError("task_length must be >= 1 and num_symbols >= 2")
+        if num_symbols**length < 4 * heldout_size:
+            raise ValueError(f"task space {num_symbols}^{length} is too small for {heldout_size} held-out prompts")
+        self.name, self.kind, self.length, self.num_symbols, self.reward = kind, kind, length, num_symbols, reward
+        self.eos_id, self.pad_id = EOS, PAD
+        self.max_new_tokens = length + 2  # room for one wrong extra token before EOS
+        self.min_vocab = FIRST_SYMBOL + num_symbols
+        self.prompt_len = length + 2
+        super().__init__(heldout_size)
+
+    def _draw(self, g: torch.Generator) -> Problem:
+        xs = (torch.randint(0, self.num_symbols, (self.length,), generator=g) + FIRST_SYMBOL).tolist()
+        ys = {"copy": xs, "reverse": xs[::-1], "sort": sorted(xs)}[self.kind]
+        return Problem((BOS, *xs, SEP), tuple(ys))
+
+    def answer_ids(self, problem: Problem) -> list[int]:
+        """The ideal response (for the SFT warm start): target then EOS."""
+        return [*problem.target, EOS]
+
+    def score(self, problem: Problem, response: list[int]) -> tuple[float, bool]:
+        ans = _until_eos(response, EOS)
+        target = problem.target
+        correct = tuple(ans) == target and EOS in response
+        if self.reward == "exact":
+            return float(correct), correct
+        hits = sum(a == t for a, t in zip(ans, target))
+        return hits / max(len(target), len(ans)), correct
+
+    def decode(self, ids: list[int]) -> str:
+        names = {PAD: "<pad>", BOS: "<bos>", SEP: "|", EOS: "<eos>"}
+        return " ".join(names.get(i, str(i - FIRST_SYMBOL)) for i in ids)
+
+
+class ArithmeticTask(Task):
+    """Natural-text addition of two numbers in [0, max_operand] for a chat model; reward 0/1."""
+
+    def __init__(self, tokenizer: Any, max_operand: int = 50, heldout_size: int = 64, max_new_tokens: int = 16) -> None:
+        if tokenizer is None:
+            raise ValueError("task 'arithmetic' needs a pretrained model with a tokenizer (e.g. --model smollm2-135m)")
+        if (max_operand + 1) ** 2 < 4 * heldout_size:
+            raise ValueError(f"max_operand {max_operand} is too small for {heldout_size} held-out prompts")
+        self.name, self.tokenizer, self.max_operand = "arithmetic", tokenizer, max_operand
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
+        self.max_new_tokens = max_new_tokens
+        super().__init__(heldout_size)
+
+    def prompt_text(self, a: int, b: int) -> str:
+        return f"What is {a} + {b}? Answer with just the number."
+
+    def _draw(self, g: torch.Generator) -> Problem:
+        a, b = torch.randint(0, self.max_operand + 1, (2,), generator=g).tolist()
+        msgs = [{"role": "user", "content": self.prompt_text(a, b)}]
+        if self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        else:
+            text = msgs[0]["content"] + "\nAnswer:"
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return Problem(tuple(ids), a + b)
+
+    def score(self, problem: Problem, response: list[int]) -> tuple[float, bool]:
+        text = self.tokenizer.decode(_until_eos(response, self.eos_id), skip_special_tokens=True)
+        numbers = re.findall(r"-?\d+", text)
+        correct = bool(numbers) and int(numbers[-1]) == problem.target
+        return float(correct), correct
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+TASK_NAMES = (*SequenceTask.KINDS, "arithmetic")
+
+
+def build_task(name: str, tokenizer: Any = None, **kwargs: Any) -> Task:
+    """Build a task by name; kwargs go to SequenceTask (length, num_symbols, reward) or ArithmeticTask."""
+    if name in SequenceTask.KINDS:
+        return SequenceTask(name, **kwargs)
+    if name == "arithmetic":
+        return ArithmeticTask(tokenizer, **kwargs)
+    raise ValueError(f"task: unknown task {name!r}; choose one of {', '.join(TASK_NAMES)}")

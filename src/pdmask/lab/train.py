@@ -1,0 +1,313 @@
+"""One RL run: GRPO advantages, a low-precision rollout engine, minibatch updates with a pdmask loss.
+
+Per step: sync the engine from the trainer, sample ``prompts_per_step`` x ``group_size`` responses,
+score them, normalise rewards within each group, and take ``epochs x minibatches`` Adam steps on the
+masked DPPO-form loss (the later minibatches are stale: the staleness knob). μ is the engine's
+log-probs (top-K, like vLLM ``logprobs=K``) or, with ``mu="recompute"``, the trainer's π_old.
+
+A run directory holds ``config.json`` (resolved), ``metrics.jsonl`` (one row per step), TensorBoard
+events and ``checkpoint.pt`` (written atomically after every ``checkpoint_every`` steps, after that
+step's metrics row). ``train(..., resume=True)`` continues from the checkpoint and drops metrics
+rows past it, so a kill at any moment loses at most the steps since the last checkpoint. Every random
+draw comes from a generator seeded by (seed, step), so the same seed gives the same metrics on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import pdmask
+from pdmask import METHODS, RolloutLogprobs
+from pdmask.lab.config import Config, ConfigError
+from pdmask.lab.engine import Rollout, RolloutEngine, sample
+from pdmask.lab.models import build_policy, is_pretrained
+from pdmask.lab.sft import warm_start
+from pdmask.lab.tasks import Task, build_task
+
+FULL_LOGP_BUDGET = 2**25  # floats: above this the engine returns top-K only and mismatch is a top-K estimate
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The random stream of one step (data, sampling, minibatch order): resume-safe and seed-reproducible."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """rewards [N] grouped by consecutive group_size rows -> (r - group mean) / (group std + eps), [N]."""
+    r = rewards.view(-1, group_size)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+
+
+@torch.no_grad()
+def evaluate(policy: nn.Module, task: Task, batch_size: int = 256) -> dict[str, float]:
+    """Greedy held-out accuracy and reward of the trainer's (float32) policy."""
+    policy.eval()
+    rewards, correct = [], []
+    for i in range(0, len(task.heldout), batch_size):
+        problems = task.heldout[i : i + batch_size]
+        r = sample(
+            policy,
+            [p.prompt_ids for p in problems],
+            max_new_tokens=task.max_new_tokens,
+            eos_id=task.eos_id,
+            pad_id=task.pad_id,
+            temperature=0.0,
+            top_k_logprobs=1,
+        )
+        for p, resp in zip(problems, r.tokens.tolist()):
+            reward, ok = task.score(p, resp)
+            rewards.append(reward)
+            correct.append(ok)
+    policy.train()
+    return {"eval/accuracy": sum(correct) / len(correct), "eval/reward": sum(rewards) / len(rewards)}
+
+
+def _select(mu: RolloutLogprobs, index: Tensor) -> RolloutLogprobs:
+    pick = lambda t: None if t is None else t[index]
+    return RolloutLogprobs(mu.logp[index], pick(mu.topk_ids), pick(mu.topk_logp), pick(mu.full_logp))
+
+
+def _recomputed_mu(logp_old: Tensor, tokens: Tensor, k: int) -> RolloutLogprobs:
+    """μ = the trainer's own π_old (full information) from its log-probs [N, R, V]."""
+    topk_logp, topk_ids = logp_old.topk(k, dim=-1)
+    return RolloutLogprobs(logp_old.gather(-1, tokens[..., None]).squeeze(-1), topk_ids, topk_logp, full_logp=logp_old)
+
+
+def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Average per-update metrics over a step's updates (maxima stay maxima)."""
+    out = {}
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        out[key] = max(values) if key.endswith("/max") else sum(values) / len(values)
+    return out
+
+
+class Run:
+    """The state of one run: config, task, trainer policy, rollout engine, optimizer, run directory."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False) -> None:
+        self.cfg = cfg.validate()
+        self.dir = Path(run_dir)
+        self._check_dir(resume)
+        torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.policy = build_policy(cfg.model, vocab_size=cfg.vocab_size, block_size=cfg.block_size())
+        self.task = build_task(cfg.task, tokenizer=getattr(self.policy, "tokenizer", None), **cfg.task_kwargs())
+        V = self.policy.vocab_size
+        if cfg.top_k > V:
+            raise ConfigError(f"top_k: K = {cfg.top_k} is larger than the vocabulary ({V})")
+        self.method = METHODS[cfg.method]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+        if not is_pretrained(cfg.model) and cfg.sft_steps > 0 and not self.checkpoint_path.exists():
+            warm_start(cfg, self.policy, self.task)
+        return_full = self.method.needs == "full" or V * cfg.batch_size * self.task.max_new_tokens <= FULL_LOGP_BUDGET
+        self.engine = RolloutEngine(self.policy, cfg.rollout_dtype, cfg.top_k, return_full=return_full)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.lr)
+        self.step = 0
+        restored = resume and self.checkpoint_path.exists()
+        if restored:
+            ckpt = torch.load(self.checkpoint_path, weights_only=True)
+            self.policy.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.step = int(ckpt["step"])
+        # Rows up to the checkpoint are kept; later ones (and all, without a checkpoint) are redone.
+        self._truncate_metrics(self.step if restored else -1)
+        self.writer = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events of the steps that are redone, so curves have no duplicates.
+            self.writer = SummaryWriter(str(self.dir / "tb"), purge_step=self.step + 1 if restored else 0)
+
+    # ------------------------------------------------------------------ run directory
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.dir / "checkpoint.pt"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    def _check_dir(self, resume: bool) -> None:
+        """An existing run may only be resumed, and only with the same config."""
+        config_path = self.dir / "config.json"
+        if not config_path.exists():
+            return
+        if not resume:
+            raise ConfigError(
+                f"run directory {self.dir} already holds a run; pass --resume to continue it or choose another directory"
+            )
+        old, new = json.loads(config_path.read_text()), self.cfg.to_dict()
+        if old != new:
+            diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            raise ConfigError(f"--resume: the config differs from the one in {config_path} in {', '.join(diff)}")
+
+    def _truncate_metrics(self, last_step: int) -> None:
+        """Keep complete rows up to last_step (a kill may leave later rows and a torn last line)."""
+        if not self.metrics_path.exists():
+            return
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if row["step"] <= last_step:
+                kept.append(line + "\n")
+        _atomic_write(self.metrics_path, "".join(kept))
+
+    def _log(self, row: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.writer.add_scalar(k, v, row["step"])
+            self.writer.flush()
+
+    def save_checkpoint(self) -> None:
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save(
+            {"step": self.step, "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()}, tmp
+        )
+        os.replace(tmp, self.checkpoint_path)
+
+    # ------------------------------------------------------------------ RL
+    def train_step(self) -> dict[str, float]:
+        """One rollout batch and its minibatch updates; returns the step's metrics."""
+        cfg, task = self.cfg, self.task
+        t0 = time.perf_counter()
+        g = step_generator(cfg.seed, self.step)
+        problems = task.sample(cfg.prompts_per_step, g)
+        self.engine.sync(self.policy)
+        ro = self.engine.generate(
+            [p.prompt_ids for p in problems],
+            cfg.group_size,
+            cfg.temperature,
+            max_new_tokens=task.max_new_tokens,
+            eos_id=task.eos_id,
+            pad_id=task.pad_id,
+            generator=g,
+        )
+        scores = [task.score(problems[i // cfg.group_size], resp) for i, resp in enumerate(ro.tokens.tolist())]
+        rewards = torch.tensor([s for s, _ in scores])
+        advantages = grpo_advantages(rewards, cfg.group_size)
+        t_rollout = time.perf_counter() - t0
+
+        metrics = {
+            "reward/mean": rewards.mean().item(),
+            "reward/correct": sum(ok for _, ok in scores) / len(scores),
+            "response/length": ro.response_mask.sum(-1).float().mean().item(),
+        }
+        mu, trainer_metrics = self._trainer_view(ro)
+        metrics |= trainer_metrics
+
+        updates = []
+        for _ in range(cfg.epochs):
+            for idx in torch.randperm(cfg.batch_size, generator=g).chunk(cfg.minibatches):
+                mb = ro.select(idx)
+                logits = mb.response_logits(self.policy(mb.input_ids, mb.attention_mask)) / cfg.temperature
+                loss, m = pdmask.policy_loss(
+                    self.method,
+                    logits,
+                    mb.tokens,
+                    _select(mu, idx),
+                    advantages[idx],
+                    mb.response_mask,
+                    agg=cfg.agg,
+                    **cfg.thresholds(),
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+                self.optimizer.step()
+                updates.append(m | {"grad/norm": grad_norm.item()})
+        metrics |= _mean_metrics(updates)
+        metrics["grad/max"] = max(u["grad/norm"] for u in updates)
+        metrics["time/rollout"] = t_rollout
+        metrics["time/step"] = time.perf_counter() - t0
+        return metrics
+
+    @torch.no_grad()
+    def _trainer_view(self, ro: Rollout) -> tuple[RolloutLogprobs, dict[str, float]]:
+        """The trainer's π at the engine's weights: mismatch TV, entropy, and μ for the loss."""
+        logits = ro.response_logits(self.policy(ro.input_ids, ro.attention_mask)).float() / self.cfg.temperature
+        logp = torch.log_softmax(logits, dim=-1)  # [N, R, V]
+        mask = ro.response_mask
+        if ro.full_logp is not None:
+            tv = 0.5 * (logp.exp() - ro.full_logp.exp()).abs().sum(-1)
+        else:  # vocabulary too large to keep μ in full: DPPO's top-K estimate of the TV
+            tv = pdmask.divergence(pdmask.policy_stats(logits, ro.tokens, ro.rollout_logprobs()), "tv", "topk")
+        logp_a = logp.gather(-1, ro.tokens[..., None]).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        metrics = {
+            "mismatch/tv_mean": tv[mask].mean().item(),
+            "mismatch/tv_max": tv[mask].max().item(),
+            "mismatch/logp_abs": (logp_a - ro.logp)[mask].abs().mean().item(),
+            "policy/entropy": entropy[mask].mean().item(),
+        }
+        if self.cfg.mu == "recompute":
+            return _recomputed_mu(logp, ro.tokens, self.cfg.top_k), metrics
+        return ro.rollout_logprobs(with_full=self.method.needs == "full"), metrics
+
+    def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, Any]]:
+        """Train until cfg.steps; returns all metrics rows of the run (including earlier sessions)."""
+        cfg = self.cfg
+        if self.step == 0:
+            self._log({"step": 0} | evaluate(self.policy, self.task))
+        while self.step < cfg.steps:
+            metrics = self.train_step()
+            self.step += 1
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                metrics |= evaluate(self.policy, self.task)
+            self._log({"step": self.step} | metrics)
+            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                self.save_checkpoint()
+            if on_step is not None:
+                on_step(self.step, metrics)
+        if self.writer is not None:
+            self.writer.close()
+        return read_metrics(self.dir)
+
+
+def train(
+    cfg: Config,
+    run_dir: str | Path,
+    resume: bool = False,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run (or resume) one run; returns its metrics rows."""
+    return Run(cfg, run_dir, resume=resume).run(on_step)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def is_complete(run_dir: str | Path, cfg: Config) -> bool:
+    """Whether run_dir holds this config's finished run."""
+    rows = read_metrics(run_dir)
+    config_path = Path(run_dir) / "config.json"
+    return (
+        bool(rows)
+        and rows[-1]["step"] >= cfg.steps
+        and config_path.exists()
+        and json.loads(config_path.read_text()) == cfg.to_dict()
+    )
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

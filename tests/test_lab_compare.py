@@ -1,0 +1,82 @@
+"""The sweep and its report: statistics, verdicts, files, reuse of finished runs, the smoke preset."""
+
+import json
+import math
+import time
+
+import pytest
+
+from pdmask.cli import main
+from pdmask.lab.compare import (
+    compare_methods,
+    estimate_seconds,
+    mean_ci,
+    run_sweep,
+    write_report,
+)
+from pdmask.lab.config import Config, Sweep
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("PDMASK_CACHE", str(tmp_path_factory.getbasetemp() / "pdmask-cache"))
+
+
+def test_mean_ci():
+    ci = mean_ci([1.0, 2.0, 3.0])
+    assert ci.mean == 2.0 and math.isclose(ci.high - ci.mean, 4.303 / math.sqrt(3), rel_tol=1e-6)
+    one = mean_ci([0.5])
+    assert one.low == one.high == 0.5 and one.n == 1
+
+
+def test_compare_methods_pairs_seeds():
+    per_seed = {
+        "a": {0: 0.9, 1: 0.8, 2: 0.7},
+        "b": {0: 0.5, 1: 0.4, 2: 0.35},  # behind on every seed by a steady margin
+        "c": {0: 0.95, 1: 0.6, 2: 0.74},  # noisy: behind on average, not clearly
+    }
+    out = compare_methods(per_seed)
+    assert out["leader"] == "a" and out["order"] == ["a", "c", "b"]
+    assert out["diff_to_leader"]["b"]["clear"] and not out["diff_to_leader"]["c"]["clear"]
+
+
+def test_sweep_report_and_reuse(tmp_path):
+    base = Config(
+        task_length=4,
+        num_symbols=8,
+        heldout_size=16,
+        steps=2,
+        prompts_per_step=4,
+        group_size=4,
+        minibatches=2,
+        sft_steps=5,
+        sft_batch=16,
+        eval_every=1,
+        tensorboard=False,
+        reward="partial",
+        epochs=1,
+    )
+    sweep = Sweep(base, ("pg_is", "pdm_tail_tv"), (0, 1), ("tiny",), ("bf16",), "test sweep")
+    info = run_sweep(sweep, tmp_path, workers=1, progress=False)
+    assert info["failed"] == [] and info["reused"] == 0
+    report = write_report(sweep, tmp_path, "test", info | {"workers": 1})
+    setting = report["settings"]["tiny-bf16"]
+    assert set(setting["methods"]) == {"pg_is", "pdm_tail_tv"}
+    assert setting["methods"]["pg_is"]["final_accuracy"]["n"] == 2
+    assert "tiny-bf16" in setting["verdict"]
+    for rel in setting["plots"]:
+        assert (tmp_path / rel).stat().st_size > 1000
+    md = (tmp_path / "report.md").read_text()
+    assert "| method |" in md and "Summary" in md
+    assert json.loads((tmp_path / "report.json").read_text())["run"]["runs_analysed"] == 4
+    again = run_sweep(sweep, tmp_path, workers=1, progress=False)
+    assert again["reused"] == 4
+    assert 0 < estimate_seconds(sweep, workers=2) < 60
+
+
+@pytest.mark.slow
+def test_smoke_preset_under_a_minute(tmp_path):
+    t = time.perf_counter()
+    assert main(["compare", "--preset", "smoke", "--out", str(tmp_path), "--workers", "2"]) == 0
+    assert time.perf_counter() - t < 60
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.json").exists()

@@ -1,0 +1,83 @@
+"""Bad configs fail with a clear message before any work starts."""
+
+import json
+
+import pytest
+
+from pdmask.cli import main
+from pdmask.lab.config import PRESETS, Config, ConfigError, config_from, load_config
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"method": "dppo_magic"}, "method: unknown method 'dppo_magic'"),
+        ({"top_k": 600}, "top_k: K = 600 is larger than the vocabulary"),
+        ({"group_size": 1}, "group_size: must be >= 2"),
+        ({"minibatches": 3}, "minibatches: 3 does not divide"),
+        ({"rollout_dtype": "fp8"}, "rollout_dtype: unknown precision"),
+        ({"model": "huge"}, "model: unknown policy"),
+        ({"task": "arithmetic"}, "does not fit model"),
+        ({"model": "smollm2-135m"}, "does not fit model"),
+        ({"vocab_size": 20}, "vocab_size: 20 is too small"),
+        ({"mu": "guess"}, "mu: must be"),
+        ({"lr": 0.0}, "lr: must be > 0"),
+        ({"delta_tv": -0.1}, "delta_tv: must be > 0"),
+        ({"steps": 0}, "steps: must be >= 1"),
+        ({"agg": "sum"}, "agg: must be one of"),
+    ],
+)
+def test_bad_config(changes, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        config_from(changes)
+
+
+def test_unknown_field_and_bad_value():
+    with pytest.raises(ConfigError, match="learning_rate: unknown config field"):
+        config_from({"learning_rate": 1e-3})
+    with pytest.raises(ConfigError, match="steps: cannot read 'many'"):
+        config_from({"steps": "many"})
+
+
+def test_config_files(tmp_path):
+    (tmp_path / "a.toml").write_text('method = "ppo_clip"\nsteps = 7\ndelta_tv = 0.2\n')
+    cfg = load_config(tmp_path / "a.toml", ["seed=3", "tensorboard=false"])
+    assert (cfg.method, cfg.steps, cfg.delta_tv, cfg.seed, cfg.tensorboard) == ("ppo_clip", 7, 0.2, 3, False)
+    (tmp_path / "b.json").write_text(json.dumps({"method": "pdm_tail_kl", "delta_kl": 0.1}))
+    assert load_config(tmp_path / "b.json").thresholds() == {"delta_low": 0.1, "delta_high": 0.1}
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+
+
+def test_thresholds_follow_the_method_kind():
+    cfg = Config(delta_tv=0.2, delta_kl=0.01, eps_high=0.3)
+    assert cfg.replace(method="dppo_topk_tv").thresholds() == {"delta_low": 0.2, "delta_high": 0.2}
+    assert cfg.replace(method="pdm_bucket_kl").thresholds() == {"delta_low": 0.01, "delta_high": 0.01}
+    assert cfg.replace(method="ppo_clip").thresholds() == {"eps_high": 0.3}
+    assert cfg.replace(method="pg_is").thresholds() == {}
+
+
+def test_presets_are_valid_and_fair():
+    for sweep in PRESETS.values():
+        configs = sweep.validate().configs()
+        varying = {"method", "seed", "model", "rollout_dtype"}
+        shared = [{k: v for k, v in c.to_dict().items() if k not in varying} for c in configs]
+        assert all(s == shared[0] for s in shared)
+    default = PRESETS["default"]
+    assert {"ppo_clip", "pg_is", "dppo_binary_tv", "dppo_topk_tv", "pdm_bucket_tv", "pdm_tail_tv"} <= set(
+        default.methods
+    )
+    assert len(default.seeds) >= 3 and default.rollout_dtypes != ("fp32",)
+    paper = PRESETS["paper"]
+    assert len(paper.models) == 3 and set(paper.rollout_dtypes) == {"fp32", "bf16", "fp16"} and len(paper.seeds) == 5
+
+
+def test_cli_reports_config_errors_without_work(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--set", "group_size=1", "--out", str(out)]) == 2
+    assert "group_size: must be >= 2" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["compare", "--methods", "ppo_clip,nope", "--out", str(tmp_path / "cmp")]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err
+    assert main(["compare", "--preset", "huge", "--out", str(tmp_path / "cmp")]) == 2
+    assert not (tmp_path / "cmp").exists()

@@ -1,0 +1,158 @@
+"""The rollout engine: top-K output against a full softmax, precision, sync, padding, response masks."""
+
+import pytest
+import torch
+
+from pdmask import RolloutLogprobs
+from pdmask.lab.engine import RolloutEngine, left_pad, sample
+from pdmask.lab.models import SIZES, build_policy, num_parameters
+from pdmask.lab.tasks import EOS, PAD, build_task
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.manual_seed(0)
+    m = build_policy("tiny", vocab_size=64, block_size=32)
+    with torch.no_grad():  # sharper than the init so that EOS and the top-K ordering matter
+        m.lm_head.weight.mul_(40)
+    return m
+
+
+def _prompts(n=5, length=4):
+    g = torch.Generator().manual_seed(1)
+    return [[1, *torch.randint(4, 40, (length,), generator=g).tolist(), 2] for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_topk_matches_full_softmax_of_engine_weights(policy, dtype):
+    engine = RolloutEngine(policy, dtype, top_k_logprobs=7, return_full=True)
+    r = engine.generate(
+        _prompts(),
+        group_size=3,
+        temperature=0.7,
+        max_new_tokens=6,
+        eos_id=EOS,
+        pad_id=PAD,
+        generator=torch.Generator().manual_seed(0),
+    )
+    N, R = r.tokens.shape
+    assert r.topk_ids.shape == r.topk_logp.shape == (N, R, 7) and r.logp.shape == (N, R) and N == 15
+    # Reference: one full forward of the engine's own (low-precision) copy, softmax in float32.
+    with torch.no_grad():
+        ref = torch.log_softmax(r.response_logits(engine.model(r.input_ids, r.attention_mask)).float() / 0.7, dim=-1)
+    tol = 1e-5 if dtype == "fp32" else 0.05  # bf16: incremental (KV cache) vs full forward round differently
+    m = r.response_mask
+    assert torch.allclose(r.full_logp[m], ref[m], atol=tol)
+    ref_topk = ref.topk(7, dim=-1)
+    assert torch.allclose(r.topk_logp[m], ref_topk.values[m], atol=tol)
+    if dtype == "fp32":
+        assert torch.equal(r.topk_ids[m], ref_topk.indices[m])
+    # The top-K log-probs are the largest of the returned full distribution, sorted, and logp is mu(a).
+    assert torch.equal(r.topk_logp, r.full_logp.topk(7, dim=-1).values)
+    assert torch.equal(r.logp, r.full_logp.gather(-1, r.tokens[..., None]).squeeze(-1))
+    # Valid pdmask input.
+    RolloutLogprobs(r.logp, r.topk_ids, r.topk_logp).validated(r.tokens, policy.vocab_size, torch.float32)
+
+
+def test_low_precision_engine_disagrees_with_trainer(policy):
+    prompts = _prompts()
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        r = RolloutEngine(policy, dtype, return_full=True).generate(
+            prompts, 2, max_new_tokens=4, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0)
+        )
+        with torch.no_grad():
+            trainer = torch.log_softmax(r.response_logits(policy(r.input_ids, r.attention_mask)), dim=-1)
+        out[dtype] = 0.5 * (trainer.exp() - r.full_logp.exp()).abs().sum(-1)[r.response_mask].max().item()
+    assert out["fp32"] < 1e-5 < out["bf16"]
+
+
+def test_response_mask_ends_at_eos():
+    torch.manual_seed(0)
+    m = build_policy("tiny", vocab_size=16, block_size=16)
+    with torch.no_grad():  # EOS almost surely
+        m.lm_head.weight.zero_()
+        m.lm_head.weight[EOS] = 0
+    r = sample(
+        m,
+        [[1, 5, 2], [1, 6, 2]],
+        max_new_tokens=5,
+        eos_id=EOS,
+        pad_id=PAD,
+        temperature=1.0,
+        top_k_logprobs=4,
+        generator=torch.Generator().manual_seed(0),
+    )
+    for row, mask in zip(r.tokens.tolist(), r.response_mask.tolist()):
+        n = row.index(EOS) + 1 if EOS in row else len(row)
+        assert mask == [True] * n + [False] * (len(row) - n)
+        assert all(t == PAD for t in row[n:])
+
+
+def test_sync_copies_trainer_weights(policy):
+    engine = RolloutEngine(policy, "bf16")
+    trainer = build_policy("tiny", vocab_size=64, block_size=32)
+    engine.sync(trainer)
+    for a, b in zip(engine.model.state_dict().values(), trainer.state_dict().values()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b.to(torch.bfloat16))
+
+
+def test_left_padding_and_kv_cache_match_full_forward(policy):
+    ids, mask = left_pad([[1, 5, 6, 2], [1, 7, 2]], PAD)
+    assert mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    full = policy(ids, mask)
+    alone = policy(torch.tensor([[1, 7, 2]]))
+    assert torch.allclose(full[1, 1:], alone[0], atol=1e-5)
+    last, cache = policy.prefill(ids[:, :3], mask[:, :3])
+    nxt, _ = policy.extend(ids[:, 3], mask, cache)
+    assert torch.allclose(last, full[:, 2], atol=1e-5) and torch.allclose(nxt, full[:, 3], atol=1e-5)
+
+
+def test_sizes_and_unembedding():
+    counts = {name: num_parameters(build_policy(name)) for name in SIZES}
+    assert 0.05e6 < counts["tiny"] < 0.2e6 and 0.5e6 < counts["small"] < 2e6 and 3e6 < counts["medium"] < 8e6
+    m = build_policy("tiny")
+    assert m.lm_head.weight.shape == (512, 48)
+
+
+def test_engine_rejects_k_beyond_vocab(policy):
+    with pytest.raises(ValueError, match="top_k"):
+        RolloutEngine(policy, "fp32", top_k_logprobs=65)
+    with pytest.raises(ValueError, match="rollout_dtype"):
+        RolloutEngine(policy, "int8")
+
+
+def test_task_heldout_is_disjoint_and_scores():
+    task = build_task("sort", length=4, num_symbols=8, heldout_size=32)
+    held = {p.prompt_ids for p in task.heldout}
+    train = task.sample(500, torch.Generator().manual_seed(0))
+    assert len(held) == 32 and not held & {p.prompt_ids for p in train}
+    p = train[0]
+    assert task.score(p, task.answer_ids(p)) == (1.0, True)
+    wrong = [task.answer_ids(p)[0], PAD, PAD, PAD, EOS]
+    reward, ok = task.score(p, wrong)
+    assert not ok and reward == pytest.approx(sum(a == b for a, b in zip(wrong[:4], p.target)) / 4)
+    assert task.score(p, [*p.target, 5, EOS])[1] is False  # an extra token is not exact
+
+
+class _CharTokenizer:
+    """Stand-in for a Hugging Face tokenizer: one id per character, no chat template."""
+
+    chat_template = None
+    eos_token_id = 0
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Enc", (), {"input_ids": [ord(c) for c in text]})
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids if i)
+
+
+def test_arithmetic_task_parses_last_integer():
+    task = build_task("arithmetic", tokenizer=_CharTokenizer(), max_operand=20, heldout_size=16)
+    p = task.sample(1, torch.Generator().manual_seed(0))[0]
+    say = lambda s: [ord(c) for c in s] + [0]
+    assert task.score(p, say(f"The answer is {p.target}.")) == (1.0, True)
+    assert task.score(p, say(f"{p.target + 1}")) == (0.0, False)
+    assert task.score(p, say("no idea")) == (0.0, False)

@@ -1,0 +1,139 @@
+"""The RL loop: one short run per method, same seed -> same metrics, resume after a kill."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pdmask import METHODS
+from pdmask.lab.config import Config
+from pdmask.lab.train import Run, grpo_advantages, read_metrics, train
+
+TINY = Config(
+    task_length=4,
+    num_symbols=8,
+    heldout_size=16,
+    steps=3,
+    prompts_per_step=4,
+    group_size=4,
+    minibatches=2,
+    sft_steps=5,
+    sft_batch=16,
+    eval_every=2,
+    tensorboard=False,
+    reward="partial",
+    epochs=1,
+)
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("PDMASK_CACHE", str(tmp_path_factory.getbasetemp() / "pdmask-cache"))
+
+
+def _without_time(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_short_run_per_method(method, tmp_path):
+    rows = train(TINY.replace(method=method, steps=2), tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    last = rows[-1]
+    for key in (
+        "reward/mean",
+        "eval/accuracy",
+        "mask/dropped_frac_pos",
+        "mask/dropped_frac_neg",
+        "div/mean",
+        "div/max",
+        "mismatch/tv_mean",
+        "mismatch/tv_max",
+        "policy/entropy",
+        "grad/norm",
+        "mask/direction_disagree_frac",
+        "time/step",
+    ):
+        assert key in last and last[key] == last[key], key  # present and not NaN
+    assert 0 <= last["mask/dropped_frac"] <= 1
+    if method == "pg_is":
+        assert last["mask/dropped_frac"] == 0
+    assert (tmp_path / "run" / "config.json").exists() and (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_recomputed_mu_and_fp32_engine(tmp_path):
+    rows = train(TINY.replace(mu="recompute", rollout_dtype="fp32", steps=1), tmp_path / "run")
+    assert rows[-1]["mismatch/tv_mean"] < 1e-5
+
+
+def test_same_seed_same_metrics(tmp_path):
+    a = train(TINY.replace(tensorboard=True), tmp_path / "a")
+    b = train(TINY.replace(tensorboard=True), tmp_path / "b")
+    c = train(TINY.replace(seed=1), tmp_path / "c")
+    assert _without_time(a) == _without_time(b)
+    assert _without_time(a) != _without_time(c)
+    assert list((tmp_path / "a" / "tb").iterdir())
+
+
+@pytest.mark.parametrize("die_at", [1, 3])
+def test_resume_after_kill_between_metrics_and_checkpoint(tmp_path, monkeypatch, die_at):
+    cfg = TINY.replace(steps=4, tensorboard=True)
+    reference = train(cfg, tmp_path / "ref")
+    original = Run.save_checkpoint
+    calls = {"n": 0}
+
+    def dying_save(self):
+        calls["n"] += 1
+        if calls["n"] == die_at:  # that step's metrics row is written, its checkpoint never is
+            raise KeyboardInterrupt
+        original(self)
+
+    monkeypatch.setattr(Run, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "killed")
+    monkeypatch.setattr(Run, "save_checkpoint", original)
+    with open(tmp_path / "killed" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/me')  # and a torn line, as a kill mid-write leaves
+    resumed = train(cfg, tmp_path / "killed", resume=True)
+    assert _without_time(resumed) == _without_time(reference)
+
+
+def test_existing_run_needs_resume_and_same_config(tmp_path):
+    from pdmask.lab.config import ConfigError
+
+    train(TINY.replace(steps=1), tmp_path / "run")
+    with pytest.raises(ConfigError, match="--resume"):
+        Run(TINY.replace(steps=1), tmp_path / "run")
+    with pytest.raises(ConfigError, match="lr"):
+        Run(TINY.replace(steps=1, lr=0.5), tmp_path / "run", resume=True)
+
+
+def test_grpo_advantages():
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5]), group_size=2)
+    assert torch.allclose(adv[:4], torch.tensor([0.7071, -0.7071, 0.7071, -0.7071]), atol=1e-3)
+    assert torch.equal(adv[4:], torch.zeros(2))
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill(tmp_path):
+    """A real `pdmask train` process killed with SIGKILL mid-run continues with --resume to the same metrics."""
+    cfg = TINY.replace(steps=40, eval_every=10)
+    (tmp_path / "cfg.json").write_text(json.dumps({k: v for k, v in cfg.to_dict().items()}))
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "pdmask.cli", "train", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "killed")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count("\n") < 6):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert 0 < len(read_metrics(tmp_path / "killed")) < 41
+    subprocess.run([*cmd, "--resume"], env=env, check=True, stdout=subprocess.DEVNULL)
+    reference = train(cfg, tmp_path / "ref")
+    assert _without_time(read_metrics(tmp_path / "killed")) == _without_time(reference)
