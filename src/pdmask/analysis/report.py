@@ -1,0 +1,286 @@
+"""Agreement tables with Wilson intervals, top-K tracking, the verdict, analysis.json, report.md and plots."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pdmask.analysis.experiment import TokenResults
+from pdmask.methods import beyond_threshold
+
+#: Ground truths, in the order reported. "own_*" are autograd first-order changes on the token sample.
+TRUTHS = {
+    "own_sgd": "own update, plain step (first order, autograd)",
+    "own_adam": "own update, Adam-preconditioned (first order, autograd)",
+    "head": "own update, output layer only (method.md check 5)",
+    "step_adam": "actual change after one Adam step on the whole minibatch",
+    "step_sgd": "actual change after one plain gradient step on the whole minibatch",
+}
+SUBSETS = {
+    "all": "all tokens",
+    "beyond_delta": "tokens with D > δ (where the mask acts)",
+    "differs_from_ratio": "tokens where PDM full and the ratio sign disagree (where the choice matters)",
+}
+#: π(a) bucket edges: confident tokens behave differently from unlikely ones (the softmax coupling).
+PI_EDGES = (0.0, 0.1, 0.5, 0.9, 1.0)
+Z95 = 1.959963984540054
+
+
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion k/n ((nan, nan) for n = 0)."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p = k / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    # The interval contains p; clamping keeps rounding from putting p outside it.
+    return max(0.0, min(p, center - half)), min(1.0, max(p, center + half))
+
+
+def agreement(signal: Tensor, truth: Tensor, subset: Tensor) -> dict:
+    """Rate at which sign(signal) = sign(truth) on ``subset``, skipping unmeasured (NaN) and exact-zero truths."""
+    valid = subset & torch.isfinite(truth) & (truth != 0)
+    n = int(valid.sum())
+    k = int((torch.sign(signal[valid]) == torch.sign(truth[valid])).sum())
+    lo, hi = wilson(k, n)
+    return {"rate": k / n if n else float("nan"), "lo": lo, "hi": hi, "n": n, "k": k}
+
+
+def _pearson(x: Tensor, y: Tensor) -> float:
+    x, y = x - x.mean(), y - y.mean()
+    denom = (x.norm() * y.norm()).item()
+    return (x @ y).item() / denom if denom > 0 else float("nan")
+
+
+def pi_bucket_labels() -> list[str]:
+    return [f"{lo:g}–{hi:g}" for lo, hi in itertools.pairwise(PI_EDGES)]
+
+
+def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
+    """All agreement rates (per kind, truth, signal, subset and π(a) bucket) and the top-K tracking."""
+    out: dict = {"agreement": {}, "topk_tracking": {}, "counts": {}}
+    bucket = torch.bucketize(res.pi_a, torch.tensor(PI_EDGES[1:-1], dtype=res.pi_a.dtype), right=True)
+    labels = pi_bucket_labels()
+    everyone = torch.ones_like(res.pi_a, dtype=torch.bool)
+    for kind, signals in res.signals.items():
+        beyond = beyond_threshold(res.div[kind], res.advantage, delta[kind], delta[kind])
+        differ = torch.sign(signals["ratio"]) != torch.sign(signals["pdm_full"])
+        out["counts"][kind] = {
+            "tokens": len(res.pi_a),
+            "sampled": int(res.sampled.sum()),
+            "beyond_delta": int(beyond.sum()),
+            "beyond_delta_sampled": int((beyond & res.sampled).sum()),
+            "pdm_full_differs_from_ratio": int(differ.sum()),
+            "differs_with_truth": int((differ & (res.sampled | res.targeted)).sum()),
+            "divergence_mean": res.div[kind].mean().item(),
+            "divergence_max": res.div[kind].max().item(),
+        }
+        per_truth: dict = {}
+        for tname in TRUTHS:
+            truth = res.truth[kind][tname]
+            # Autograd truths exist on the uniform sample plus the targeted disagreements: rates over
+            # all tokens, beyond δ and by π(a) use the uniform sample only, so they stay unbiased.
+            population = res.sampled if torch.isnan(truth).any() else everyone
+            subsets = {"all": population, "beyond_delta": population & beyond, "differs_from_ratio": differ}
+            per_signal: dict = {}
+            for sname, sig in signals.items():
+                cells = {name: agreement(sig, truth, sub) for name, sub in subsets.items()}
+                cells["by_pi_a"] = {lab: agreement(sig, truth, population & (bucket == i)) for i, lab in enumerate(labels)}
+                per_signal[sname] = cells
+            per_truth[tname] = per_signal
+        out["agreement"][kind] = per_truth
+        raw = res.raw_g[kind]
+        tracking: dict = {}
+        for name, g in raw.items():
+            if name in ("full", "gw_full"):
+                continue
+            ref = raw["gw_full"] if name.startswith("gw") else raw["full"]
+            same = torch.sign(g) == torch.sign(ref)
+            tracking[name] = {"sign_match": same.double().mean().item(), "corr": _pearson(g, ref), "n": len(g)}
+        out["topk_tracking"][kind] = tracking
+    return out
+
+
+def _pct(cell: dict) -> str:
+    if not cell["n"]:
+        return "—"
+    return f"{100 * cell['rate']:.1f}% [{100 * cell['lo']:.0f}–{100 * cell['hi']:.0f}]"
+
+
+def _cell_md(cell: dict) -> str:
+    return "—" if not cell["n"] else f"{_pct(cell)} n={cell['n']}"
+
+
+def verdict(summary: dict) -> list[str]:
+    """Plain-words conclusions, one line each, from the measured numbers only."""
+    lines = []
+    for kind, per_truth in summary["agreement"].items():
+        name = kind.upper()
+        for tname, label in (("own_sgd", "plain step"), ("own_adam", "Adam step")):
+            sig = per_truth[tname]
+            pdm, ratio, diff = sig["pdm_full"]["all"], sig["ratio"]["all"], sig["pdm_full"]["differs_from_ratio"]
+            if not pdm["n"]:
+                continue
+            head = (
+                f"{name}, {label}: PDM full gets the direction of the token's own divergence change right on "
+                f"{_pct(pdm)} of {pdm['n']} uniformly sampled tokens, the ratio sign on {_pct(ratio)}."
+            )
+            if diff["n"] == 0:
+                lines.append(head + " They never disagree on this sample.")
+                continue
+            if diff["lo"] > 0.5:
+                call = "PDM is right more often than the ratio sign there"
+            elif diff["hi"] < 0.5:
+                call = "the ratio sign is right more often than PDM there"
+            else:
+                call = "the difference is not significant (the 95% interval contains 50%)"
+            lines.append(head + f" Where they disagree ({diff['n']} tokens) PDM is right on {_pct(diff)}: {call}.")
+        gw = per_truth["own_sgd"].get("gw_full", {}).get("all")
+        if gw and gw["n"]:
+            lines.append(f"{name}: the kernel-aware G_W (experimental) matches the plain-step truth on {_pct(gw)}.")
+        head = per_truth["head"]["pdm_full"]["all"]
+        if head["n"]:
+            ok = "holds" if head["k"] == head["n"] else "FAILS"
+            lines.append(
+                f"{name}: check 5 (output layer alone) {ok}: PDM full matches on {head['k']}/{head['n']} tokens."
+            )
+        step = per_truth["step_adam"]
+        lines.append(
+            f"{name}: after one real Adam step on the whole minibatch, the sign of the actual change of D matches "
+            f"PDM full on {_pct(step['pdm_full']['all'])} and the ratio sign on {_pct(step['ratio']['all'])} "
+            "(this change mixes every token's update, so both signals see only part of it)."
+        )
+    return lines
+
+
+def write_report(out_dir: Path, summary: dict, meta: dict) -> Path:
+    """analysis.json, report.md and the plots in ``out_dir``; returns the path of report.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "analysis.json").write_text(json.dumps({**meta, **summary}, indent=1, allow_nan=True))
+    md = [f"# Direction-signal analysis: {meta['config']['model']} on {meta['config']['task']}", ""]
+    md += ["Command: `" + meta["command"] + "`", "", "## Verdict", ""]
+    md += [f"- {line}" for line in summary["verdict"]]
+    md += ["", "Cells: agreement rate in % [95% Wilson interval] and the number of tokens n.", ""]
+    for kind, per_truth in summary["agreement"].items():
+        c = summary["counts"][kind]
+        md += [
+            f"## {kind.upper()}",
+            "",
+            (
+                f"{c['tokens']} tokens (A ≠ 0), {c['sampled']} with autograd ground truth; "
+                f"D mean {c['divergence_mean']:.4g}, max {c['divergence_max']:.4g}; "
+                f"{c['beyond_delta']} beyond δ = {meta['config']['delta'][kind]} ({c['beyond_delta_sampled']} sampled); "
+                f"PDM full and the ratio sign differ on {c['pdm_full_differs_from_ratio']} "
+                f"({c['differs_with_truth']} with autograd truth)."
+            ),
+            "",
+        ]
+        for tname, per_signal in per_truth.items():
+            md += [f"### Truth: {TRUTHS[tname]}", "", "| signal | " + " | ".join(SUBSETS.values()) + " |"]
+            md += ["|---" * (len(SUBSETS) + 1) + "|"]
+            for sname, cells in per_signal.items():
+                md += [f"| {sname} | " + " | ".join(_cell_md(cells[s]) for s in SUBSETS) + " |"]
+            labels = pi_bucket_labels()
+            md += ["", "By π(a):", "", "| signal | " + " | ".join(f"π(a) {lab}" for lab in labels) + " |"]
+            md += ["|---" * (len(labels) + 1) + "|"]
+            for sname, cells in per_signal.items():
+                md += [f"| {sname} | " + " | ".join(_cell_md(cells["by_pi_a"][lab]) for lab in labels) + " |"]
+            md += [""]
+        md += ["### Top-K estimators against the full one", "", "| estimator | sign match | correlation |", "|---|---|---|"]
+        for name, t in summary["topk_tracking"][kind].items():
+            md += [f"| {name} | {100 * t['sign_match']:.1f}% | {t['corr']:.3f} |"]
+        md += [""]
+    md += ["## Timing", "", *(f"- {k}: {v:.1f}" for k, v in meta["timing"].items()), ""]
+    md += ["## Config", "", "```json", json.dumps(meta["config"], indent=1), "```", ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md))
+    _plots(out_dir, summary)
+    return path
+
+
+def _error_bars(cells: list[dict]) -> list[list[float]]:
+    """[[below], [above]] of each cell's interval around its rate (0 for empty cells)."""
+    def gap(x: float) -> float:
+        return 0.0 if math.isnan(x) else max(0.0, x)
+
+    return [[gap(c["rate"] - c["lo"]) for c in cells], [gap(c["hi"] - c["rate"]) for c in cells]]
+
+
+def _plots(out_dir: Path, summary: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(summary["agreement"])
+    # 1. Agreement with the plain-step truth per signal and subset.
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(12, 4 * len(kinds)), squeeze=False)
+    for ax, kind in zip(axes[:, 0], kinds):
+        per_signal = summary["agreement"][kind]["own_sgd"]
+        names = list(per_signal)
+        width = 0.8 / len(SUBSETS)
+        for j, subset in enumerate(SUBSETS):
+            cells = [per_signal[s][subset] for s in names]
+            xs = [i + (j - 1) * width for i in range(len(names))]
+            rate = [c["rate"] for c in cells]
+            ax.bar(xs, rate, width, yerr=_error_bars(cells), capsize=2, label=SUBSETS[subset])
+        ax.axhline(0.5, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("agreement with truth")
+        ax.set_title(f"{kind.upper()}: sign agreement with the token's own first-order change (plain step)")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "agreement.png", dpi=110)
+    plt.close(fig)
+
+    # 2. Agreement by π(a) for the main signals, plain and Adam truth.
+    labels = pi_bucket_labels()
+    fig, axes = plt.subplots(len(kinds), 2, figsize=(11, 3.6 * len(kinds)), squeeze=False)
+    for row, kind in enumerate(kinds):
+        for col, tname in enumerate(("own_sgd", "own_adam")):
+            ax = axes[row, col]
+            per_signal = summary["agreement"][kind][tname]
+            for sname in ("ratio", "pdm_full", "pdm_tail@20", "gw_full"):
+                if sname not in per_signal:
+                    continue
+                cells = [per_signal[sname]["by_pi_a"][lab] for lab in labels]
+                ax.errorbar(
+                    range(len(labels)),
+                    [c["rate"] for c in cells],
+                    yerr=_error_bars(cells),
+                    marker="o",
+                    capsize=3,
+                    label=sname,
+                )
+            ax.axhline(0.5, color="grey", lw=0.8, ls="--")
+            ax.set_xticks(range(len(labels)), [f"π(a) {lab}" for lab in labels])
+            ax.set_ylim(0, 1.05)
+            ax.set_title(f"{kind.upper()}: {TRUTHS[tname].split('(')[0].strip()}", fontsize=9)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "by_pi_a.png", dpi=110)
+    plt.close(fig)
+
+    # 3. How the top-K estimators track the full one as K grows.
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for kind in kinds:
+        tracking = summary["topk_tracking"][kind]
+        for est in ("bucket", "tail"):
+            ks = sorted(int(n.split("@")[1]) for n in tracking if n.startswith(est + "@"))
+            axes[0].plot(ks, [tracking[f"{est}@{k}"]["sign_match"] for k in ks], marker="o", label=f"{kind} {est}")
+            axes[1].plot(ks, [tracking[f"{est}@{k}"]["corr"] for k in ks], marker="o", label=f"{kind} {est}")
+    for ax, title in zip(axes, ("sign(G_K) = sign(G_full)", "correlation of G_K with G_full")):
+        ax.set_xscale("log")
+        ax.set_xlabel("K")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "topk.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,86 @@
+"""Agreement statistics of the analysis: Wilson intervals, NaN/zero handling, unbiased populations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pdmask.analysis.experiment import TokenResults
+from pdmask.analysis.report import TRUTHS, agreement, summarize, verdict, wilson
+
+
+def test_wilson_known_values() -> None:
+    lo, hi = wilson(5, 10)
+    assert (lo, hi) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    lo, hi = wilson(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
+    assert wilson(10, 10)[1] == pytest.approx(1.0)
+    assert all(math.isnan(x) for x in wilson(0, 0))
+
+
+def test_agreement_skips_unmeasured_and_zero_truths() -> None:
+    signal = torch.tensor([1.0, -1.0, 1.0, 2.0, -3.0], dtype=torch.float64)
+    truth = torch.tensor([2.0, 1.0, float("nan"), 0.0, -1.0], dtype=torch.float64)
+    cell = agreement(signal, truth, torch.ones(5, dtype=torch.bool))
+    assert (cell["k"], cell["n"]) == (2, 3)
+    assert cell["lo"] < cell["rate"] < cell["hi"]
+
+
+def _results(m: int = 40) -> TokenResults:
+    g = torch.Generator().manual_seed(0)
+    adv = torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0).double()
+    ratio = torch.randn(m, generator=g, dtype=torch.float64)
+    pdm = ratio.clone()
+    pdm[:5] = -pdm[:5]  # PDM full and the ratio sign disagree on the first five tokens
+    sampled = torch.zeros(m, dtype=torch.bool)
+    sampled[10:30] = True
+    targeted = torch.zeros(m, dtype=torch.bool)
+    targeted[:5] = True
+    measured = sampled | targeted
+    own = torch.where(measured, pdm, torch.nan)  # the truth follows PDM wherever it is measured
+    truths = {name: own.clone() for name in TRUTHS}
+    truths["step_adam"] = ratio.clone()  # measured everywhere
+    signals = {"ratio": ratio, "pdm_full": pdm}
+    return TokenResults(
+        advantage=adv,
+        pi_a=torch.linspace(0.01, 0.99, m, dtype=torch.float64),
+        mu_a=torch.full((m,), 0.5, dtype=torch.float64),
+        div={k: torch.linspace(0, 0.3, m, dtype=torch.float64) for k in ("tv", "kl")},
+        raw_g={k: {"full": pdm / adv, "bucket@1": -pdm / adv, "gw_full": ratio, "gw_tail@1": ratio} for k in ("tv", "kl")},
+        signals={k: dict(signals) for k in ("tv", "kl")},
+        truth={k: {n: t.clone() for n, t in truths.items()} for k in ("tv", "kl")},
+        sampled=sampled,
+        targeted=targeted,
+    )
+
+
+def test_summarize_uses_uniform_sample_for_all_and_every_measured_disagreement() -> None:
+    summary = summarize(_results(), {"tv": 0.15, "kl": 0.05})
+    own = summary["agreement"]["tv"]["own_sgd"]
+    # "all" covers only the uniform sample (20 tokens), not the 5 targeted ones.
+    assert own["pdm_full"]["all"]["n"] == 20
+    assert own["pdm_full"]["all"]["rate"] == 1.0
+    # The disagreement subset covers every measured disagreement: PDM right, ratio wrong.
+    assert own["pdm_full"]["differs_from_ratio"]["n"] == 5
+    assert own["pdm_full"]["differs_from_ratio"]["rate"] == 1.0
+    assert own["ratio"]["differs_from_ratio"]["rate"] == 0.0
+    # A truth measured everywhere is rated over every token.
+    assert summary["agreement"]["tv"]["step_adam"]["ratio"]["all"]["n"] == 40
+    by_pi = own["pdm_full"]["by_pi_a"]
+    assert sum(c["n"] for c in by_pi.values()) == 20
+    tracking = summary["topk_tracking"]["tv"]
+    assert tracking["bucket@1"]["sign_match"] == 0.0 and tracking["bucket@1"]["corr"] == pytest.approx(-1.0)
+    assert tracking["gw_tail@1"]["sign_match"] == 1.0
+    lines = verdict(summary)
+    assert any("PDM is right more often than the ratio sign" in line for line in lines)
+    assert any("check 5 (output layer alone) holds" in line for line in lines)
+
+
+def test_grpo_advantages_normalise_within_groups() -> None:
+    from pdmask.analysis.experiment import grpo_advantages
+
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), group_size=2)
+    assert adv[0] > 0 > adv[1] and adv[0] == pytest.approx(-adv[1])
+    assert torch.equal(adv[2:], torch.zeros(2))  # equal rewards: no signal
