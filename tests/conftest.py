@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdmask import RolloutLogprobs
+from pdmask.lab.config import Config
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -34,3 +35,21 @@ def rollout_of(logmu, a, topk_ids=None, topk_logp=None, full=False) -> RolloutLo
 @pytest.fixture
 def case():
     return make_case(16, 64, 5)
+
+
+#: A lab config small enough for a unit test: a few seconds per run on one core.
+TINY = Config(
+    task_length=4,
+    num_symbols=8,
+    heldout_size=16,
+    steps=3,
+    prompts_per_step=4,
+    group_size=4,
+    minibatches=2,
+    sft_steps=5,
+    sft_batch=16,
+    eval_every=2,
+    tensorboard=False,
+    reward="partial",
+    epochs=1,
+)

@@ -5,6 +5,7 @@ import math
 import time
 
 import pytest
+from conftest import TINY
 
 from pdmask.cli import main
 from pdmask.lab.compare import (
@@ -14,7 +15,7 @@ from pdmask.lab.compare import (
     run_sweep,
     write_report,
 )
-from pdmask.lab.config import Config, Sweep
+from pdmask.lab.config import Sweep
 
 
 @pytest.fixture(autouse=True)
@@ -41,21 +42,7 @@ def test_compare_methods_pairs_seeds():
 
 
 def test_sweep_report_and_reuse(tmp_path):
-    base = Config(
-        task_length=4,
-        num_symbols=8,
-        heldout_size=16,
-        steps=2,
-        prompts_per_step=4,
-        group_size=4,
-        minibatches=2,
-        sft_steps=5,
-        sft_batch=16,
-        eval_every=1,
-        tensorboard=False,
-        reward="partial",
-        epochs=1,
-    )
+    base = TINY.replace(steps=2, eval_every=1)
     sweep = Sweep(base, ("pg_is", "pdm_tail_tv"), (0, 1), ("tiny",), ("bf16",), "test sweep")
     info = run_sweep(sweep, tmp_path, workers=1, progress=False)
     assert info["failed"] == [] and info["reused"] == 0

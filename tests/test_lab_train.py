@@ -9,26 +9,10 @@ import time
 
 import pytest
 import torch
+from conftest import TINY
 
 from pdmask import METHODS
-from pdmask.lab.config import Config
 from pdmask.lab.train import Run, grpo_advantages, read_metrics, train
-
-TINY = Config(
-    task_length=4,
-    num_symbols=8,
-    heldout_size=16,
-    steps=3,
-    prompts_per_step=4,
-    group_size=4,
-    minibatches=2,
-    sft_steps=5,
-    sft_batch=16,
-    eval_every=2,
-    tensorboard=False,
-    reward="partial",
-    epochs=1,
-)
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from pdmask.lab.config import add_set_option
+
 HELP = "Compare the masks in small RL runs under precision mismatch and staleness; writes a report."
 
 
@@ -23,14 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rollout-dtypes", help="comma-separated rollout precisions fp32,bf16,fp16 (overrides the preset)"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a shared config field (repeatable)",
-    )
+    add_set_option(parser, "override a shared config field (repeatable)")
     parser.add_argument(
         "--workers",
         type=int,

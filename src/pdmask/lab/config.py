@@ -255,6 +255,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     return config_from({**values, **parse_overrides(overrides)})
 
 
+def add_set_option(parser: Any, help: str) -> None:
+    """The repeatable ``--set KEY=VALUE`` option of `pdmask train` and `pdmask compare`."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
 def parse_overrides(items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:

@@ -6,19 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdmask.lab.config import add_set_option
+
 HELP = "Run one small-scale RL run (policy, task, rollout precision and mask from a config file)."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="a .json or .toml file of Config fields (omit to use the defaults)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field (repeatable)",
-    )
+    add_set_option(parser, "override a config field (repeatable)")
     parser.add_argument("--out", default=None, help="run directory (default: runs/train/<method>-seed<seed>)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
 
