@@ -10,10 +10,13 @@ Paths, each on the same logits [N, V] (no gradient), K = 20:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -82,7 +85,7 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     """Peak of the bytes allocated while fn runs (and its result lives), from the profiler's memory events."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
         del out
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
@@ -91,6 +94,20 @@ def peak_bytes(fn: Callable[[], object]) -> int:
         current += e.nbytes()
         peak = max(peak, current)
     return peak
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silences the profiler's start/stop lines, which its C++ side writes straight to file descriptor 2."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def measure(vocab: int, n: int, dtype: str, repeats: int) -> Row:
