@@ -13,8 +13,8 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
