@@ -155,3 +155,11 @@ def test_padding_outside_the_response_mask_is_ignored():
         assert torch.allclose(clean_loss, dirty_loss) and clean_m == pytest.approx(dirty_m)
     with pytest.raises(ValueError, match="tokens contains id -100"):
         policy_loss("pdm_tail_tv", z, dirty_a, rollout, adv, torch.ones(B, T))
+
+
+def test_metrics_stay_finite_for_extreme_ratios():
+    z, a, rollout, adv, mask = batch()
+    tiny_mu = type(rollout)(torch.full_like(rollout.logp, -120.0))
+    loss, metrics = policy_loss("pg_is", z, a, tiny_mu, adv, mask)
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in metrics.values())
+    assert metrics["ratio/max"] > 1e40

@@ -159,7 +159,8 @@ def mask_metrics(
         g = predicted_change(stats, kind, estimator)
         disagree = beyond & (torch.sign(stats.pi_a - stats.mu_a) != torch.sign(g))
     pos, neg = mask & (adv > 0), mask & (adv < 0)
-    ratio = stats.ratio[mask]
+    # float64: a ratio past e^88 (μ(a) tiny, a real engine/trainer mismatch) is still a finite number to log.
+    ratio = (stats.logp.detach() - stats.rollout_logp).double().exp()[mask]
     d_resp = d[mask].float()
     return {
         "mask/dropped_frac": _frac(mask & ~keep, mask),
