@@ -80,4 +80,6 @@ def test_cli_reports_config_errors_without_work(tmp_path, capsys):
     assert main(["compare", "--methods", "ppo_clip,nope", "--out", str(tmp_path / "cmp")]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
     assert main(["compare", "--preset", "huge", "--out", str(tmp_path / "cmp")]) == 2
+    assert main(["compare", "--set", "model=small", "--out", str(tmp_path / "cmp")]) == 2
+    assert "use --models instead" in capsys.readouterr().err
     assert not (tmp_path / "cmp").exists()

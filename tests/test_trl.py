@@ -116,6 +116,14 @@ def test_config_rejects_bad_combinations(tmp_path) -> None:
         make_config(tmp_path, "dppo_binary_tv", loss_type="cispo")
     with pytest.raises(ValueError, match="delta_low"):
         make_config(tmp_path, "ppo_clip", delta_low=0.1)
+    with pytest.raises(ValueError, match="two-sided clip"):
+        make_config(tmp_path, "ppo_clip", delta=2.0)
+    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+        make_config(tmp_path, "pdm_tail_tv", off_policy_mask_threshold=0.5)
+    with pytest.raises(ValueError, match="recorded at one temperature"):
+        make_config(tmp_path, "pdm_tail_tv", generation_kwargs={"temperature": 0.5})
+    with pytest.warns(UserWarning, match="sampler's distribution"):
+        make_config(tmp_path, "pdm_tail_tv", generation_kwargs={"top_p": 0.5})
 
 
 def train(tmp_path, mask_method: str, spy=None):

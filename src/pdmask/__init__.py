@@ -1,7 +1,7 @@
 """pdmask: predictive divergence masks (PDM), DPPO and PPO trust-region masks for RL of LLMs."""
 
 from pdmask.estimators import divergence, predicted_change
-from pdmask.loss import AGG_MODES, aggregate_loss, mask_metrics, per_token_loss, policy_loss
+from pdmask.loss import AGG_MODES, FRACTION_DENOMINATORS, aggregate_loss, mask_metrics, per_token_loss, policy_loss
 from pdmask.methods import METHODS, MaskMethod, get_method, trust_region_mask
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import FullReductions, PolicyStats, policy_stats
@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AGG_MODES",
+    "FRACTION_DENOMINATORS",
     "METHODS",
     "FullReductions",
     "MaskMethod",

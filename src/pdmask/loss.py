@@ -20,6 +20,18 @@ from pdmask.stats import PolicyStats, policy_stats
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
+#: The count each share in ``mask_metrics`` is a fraction of: pool shares over micro-batches with these
+#: weights (a plain mean of shares over-weights small or empty micro-batches).
+FRACTION_DENOMINATORS = {
+    "mask/dropped_frac": "count/tokens",
+    "mask/dropped_frac_pos": "count/pos",
+    "mask/dropped_frac_neg": "count/neg",
+    "mask/beyond_threshold_frac": "count/tokens",
+    "mask/direction_disagree_frac": "count/beyond_threshold",
+    "div/mean": "count/tokens",
+    "ratio/mean": "count/tokens",
+}
+
 
 def per_token_loss(
     method: str | MaskMethod,
@@ -141,7 +153,8 @@ def mask_metrics(
     The divergence is the method's own (TV at the richest information for ppo_clip and pg_is);
     ``mask/direction_disagree_frac`` is the share of tokens beyond the threshold where sign(π_a − μ_a)
     and sign(G) differ, G from the method's estimator or the best one the rollout allows (0 on binary
-    information, where the two coincide).
+    information, where the two coincide). ``count/*`` give each share's denominator, to pool shares
+    over micro-batches (``FRACTION_DENOMINATORS``).
     """
     m = get_method(method)
     shape = stats.logp.shape
@@ -173,6 +186,10 @@ def mask_metrics(
         "div/p90": _quantile(d_resp, 0.9),
         "ratio/mean": ratio.mean().item() if ratio.numel() else 0.0,
         "ratio/max": ratio.max().item() if ratio.numel() else 0.0,
+        "count/tokens": float(mask.sum().item()),
+        "count/pos": float(pos.sum().item()),
+        "count/neg": float(neg.sum().item()),
+        "count/beyond_threshold": float(beyond.sum().item()),
     }
 
 

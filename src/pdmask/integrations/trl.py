@@ -31,6 +31,7 @@ from packaging.version import Version
 from torch import Tensor
 
 from pdmask import (
+    FRACTION_DENOMINATORS,
     MaskMethod,
     PolicyStats,
     RolloutLogprobs,
@@ -111,6 +112,17 @@ class PDMConfig(GRPOConfig):
             raise ValueError(f"PDMConfig supports loss_type in {LOSS_TYPES}; got {self.loss_type!r}.")
         if self.importance_sampling_level != "token":
             raise ValueError("PDMConfig masks tokens: importance_sampling_level must be 'token'.")
+        if getattr(self, "off_policy_mask_threshold", None) is not None:
+            raise ValueError(
+                "off_policy_mask_threshold is TRL's own sequence mask; with PDMConfig the trust region is "
+                "mask_method. Leave it unset."
+            )
+        gen = dict(self.generation_kwargs or {})
+        if "temperature" in gen and gen["temperature"] != self.temperature:
+            raise ValueError(
+                f"generation_kwargs temperature={gen['temperature']} differs from temperature={self.temperature}: "
+                "μ would be recorded at one temperature and sampled at another. Set `temperature` only."
+            )
         if method.rule != "ppo_clip":
             clip_off = self.epsilon == 1.0 and self.epsilon_high == math.inf  # set by an earlier __post_init__
             if self.delta is not None or (not clip_off and (self.epsilon != 0.2 or self.epsilon_high is not None)):
@@ -125,10 +137,12 @@ class PDMConfig(GRPOConfig):
                 )
             # The clip band [1 - 1, 1 + inf) contains every ratio, so TRL's loss becomes -r·A.
             self.epsilon, self.epsilon_high = 1.0, math.inf
-            if self.top_k or self.top_p < 1 or self.min_p or self.repetition_penalty != 1:
+            reshaping = {"top_k", "top_p", "min_p", "repetition_penalty", "suppress_tokens", "bad_words_ids"}
+            if self.top_k or self.top_p < 1 or self.min_p or self.repetition_penalty != 1 or reshaping & gen.keys():
                 warnings.warn(
-                    "top_k, top_p, min_p and repetition_penalty change the sampler's distribution; the mask measures "
-                    "against softmax(logits / temperature), the distribution TRL's own importance ratios use.",
+                    "top_k, top_p, min_p, repetition_penalty and generation_kwargs that filter tokens change the "
+                    "sampler's distribution; the mask measures against softmax(logits / temperature), the "
+                    "distribution TRL's own importance ratios use.",
                     stacklevel=2,
                 )
         resolve_thresholds(method, self.mask_thresholds)  # rejects thresholds the method does not take
@@ -141,6 +155,10 @@ class PDMConfig(GRPOConfig):
             if any(v is not None for v in (self.delta_low, self.delta_high, self.ratio_cap)):
                 raise ValueError(
                     "ppo_clip clips with epsilon/epsilon_high: leave delta_low, delta_high and ratio_cap unset."
+                )
+            if self.delta is not None:
+                raise ValueError(
+                    "ppo_clip with delta (TRL's two-sided clip) is not the mask pdmask measures: leave delta unset."
                 )
             high = self.epsilon if self.epsilon_high is None else self.epsilon_high
             return {"eps_low": self.epsilon, "eps_high": high}
@@ -270,11 +288,13 @@ class PDMTrainer(GRPOTrainer):
             )
             # The per-token weight w = M·sg(min(r, c))·A, read off pdmask's surrogate so its formula lives there.
             (neg_weight,) = torch.autograd.grad(loss_mat.sum(), leaf)
-        ratio = stats.ratio
+        # log μ handed to TRL is floored at log π − 80, so TRL's own r = exp(log π − old) stays finite in float32.
+        old_logp = torch.maximum(stats.rollout_logp, stats.logp.detach() - 80.0)
+        ratio = (stats.logp.detach() - old_logp).exp()
         # TRL multiplies the advantage by r = exp(log π − old) with old = log μ; dividing by r here leaves w.
         per_token_advantages = torch.where(ratio > 0, -neg_weight / ratio, torch.zeros_like(ratio))
         self._log_mask_metrics(stats, advantages, mask, keep)
-        batch.fill(advantages=per_token_advantages, old_per_token_logps=stats.rollout_logp)
+        batch.fill(advantages=per_token_advantages, old_per_token_logps=old_logp)
 
     def _policy_stats(
         self,
@@ -318,13 +338,22 @@ class PDMTrainer(GRPOTrainer):
         return stats_from_set(logp, tokens, rollout, set_logp, sq_norm=sq_norm)
 
     def _log_mask_metrics(self, stats: PolicyStats, advantages: Tensor, mask: Tensor, keep: Tensor) -> None:
-        """pdmask's metrics into TRL's ``_metrics`` as ``pdmask/...``: mean over processes, max for ``*/max``."""
+        """pdmask's metrics into TRL's ``_metrics`` as ``pdmask/...``, over all processes: shares pooled
+        by their token counts, ``*/max`` as the maximum, the rest as the mean."""
         metrics = mask_metrics(self.mask_method, stats, advantages, mask, keep, **self._thresholds)
         local = torch.tensor(list(metrics.values()), device=self.accelerator.device)
-        gathered = self.accelerator.gather(local).view(-1, len(metrics))
+        columns = dict(zip(metrics, self.accelerator.gather(local).view(-1, len(metrics)).T))
         mode = "train" if self._policy.training else "eval"
-        for column, key in zip(gathered.T, metrics):
-            value = column.max() if key.endswith("/max") else column.mean()
+        for key, column in columns.items():
+            if key.startswith("count/"):
+                continue
+            if key.endswith("/max"):
+                value = column.max()
+            elif key in FRACTION_DENOMINATORS:
+                weight = columns[FRACTION_DENOMINATORS[key]]
+                value = (column * weight).sum() / weight.sum().clamp_min(1.0)
+            else:
+                value = column.mean()
             self._metrics[mode][f"pdmask/{key}"].append(value.item())
 
 

@@ -353,13 +353,13 @@ def _identical_groups(methods: dict[str, dict[str, Any]]) -> list[list[str]]:
 
 def analyse(sweep: Sweep, out: Path) -> dict[str, Any]:
     """Per setting and method: per-seed summaries, intervals, curves, the paired comparison and its verdict."""
-    from pdmask.lab.train import read_metrics
+    from pdmask.lab.train import is_complete, read_metrics
 
     settings: dict[str, dict[str, Any]] = {}
     for cfg in sweep.configs():
+        if not is_complete(run_dir(out, cfg), cfg):
+            continue  # failed, unfinished or made with another config: left out, and counted in the report
         rows = read_metrics(run_dir(out, cfg))
-        if not rows or rows[-1]["step"] < cfg.steps:
-            continue  # failed or unfinished run: left out, and counted in the report
         methods = settings.setdefault(setting_name(cfg), {"methods": {}})["methods"]
         methods.setdefault(cfg.method, {"runs": {}})["runs"][cfg.seed] = rows
     for name, setting in settings.items():

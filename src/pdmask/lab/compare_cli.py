@@ -57,7 +57,11 @@ def build_sweep(args: argparse.Namespace):
     if args.rollout_dtypes:
         changes["rollout_dtypes"] = split(args.rollout_dtypes)
     if args.overrides:
-        changes["base"] = config_from(parse_overrides(args.overrides), base=sweep.base)
+        overrides = parse_overrides(args.overrides)
+        swept = {"method": "--methods", "seed": "--seeds", "model": "--models", "rollout_dtype": "--rollout-dtypes"}
+        for key in overrides.keys() & swept.keys():
+            raise ConfigError(f"--set {key}=...: {key} is swept by the preset; use {swept[key]} instead")
+        changes["base"] = config_from(overrides, base=sweep.base)
     return replace(sweep, **changes).validate()
 
 

@@ -50,6 +50,7 @@ def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tens
 @torch.no_grad()
 def evaluate(policy: nn.Module, task: Task, batch_size: int = 256) -> dict[str, float]:
     """Greedy held-out accuracy and reward of the trainer's (float32) policy."""
+    was_training = policy.training
     policy.eval()
     rewards, correct = [], []
     for i in range(0, len(task.heldout), batch_size):
@@ -67,7 +68,7 @@ def evaluate(policy: nn.Module, task: Task, batch_size: int = 256) -> dict[str, 
             reward, ok = task.score(p, resp)
             rewards.append(reward)
             correct.append(ok)
-    policy.train()
+    policy.train(was_training)
     return {"eval/accuracy": sum(correct) / len(correct), "eval/reward": sum(rewards) / len(rewards)}
 
 
@@ -86,8 +87,17 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     """Average per-update metrics over a step's updates (maxima stay maxima)."""
     out = {}
     for key in rows[0]:
+        if key.startswith("count/"):
+            continue
         values = [r[key] for r in rows]
-        out[key] = max(values) if key.endswith("/max") else sum(values) / len(values)
+        weight_key = pdmask.FRACTION_DENOMINATORS.get(key)
+        if key.endswith("/max"):
+            out[key] = max(values)
+        elif weight_key is not None:  # a share: pooled over the updates' tokens, not a mean of shares
+            total = sum(r[weight_key] for r in rows)
+            out[key] = sum(r[key] * r[weight_key] for r in rows) / total if total else 0.0
+        else:
+            out[key] = sum(values) / len(values)
     return out
 
 
@@ -101,6 +111,8 @@ class Run:
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.policy = build_policy(cfg.model, vocab_size=cfg.vocab_size, block_size=cfg.block_size())
+        # RL updates run without dropout (as verl and TRL do), so π and the engine's μ share one forward.
+        self.policy.eval()
         self.task = build_task(cfg.task, tokenizer=getattr(self.policy, "tokenizer", None), **cfg.task_kwargs())
         V = self.policy.vocab_size
         if cfg.top_k > V:
