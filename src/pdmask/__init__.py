@@ -4,7 +4,7 @@ from pdmask.estimators import divergence, predicted_change
 from pdmask.loss import AGG_MODES, FRACTION_DENOMINATORS, aggregate_loss, mask_metrics, per_token_loss, policy_loss
 from pdmask.methods import METHODS, MaskMethod, get_method, trust_region_mask
 from pdmask.rollout import RolloutLogprobs
-from pdmask.stats import FullReductions, PolicyStats, policy_stats
+from pdmask.stats import FullReductions, PolicyStats, policy_stats, stats_from_set
 
 __version__ = "0.1.0"
 
@@ -24,5 +24,6 @@ __all__ = [
     "policy_loss",
     "policy_stats",
     "predicted_change",
+    "stats_from_set",
     "trust_region_mask",
 ]
