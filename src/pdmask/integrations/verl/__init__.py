@@ -1,0 +1,42 @@
+"""DPPO and predictive divergence masks in verl (``pip install pdmask[verl]``); see docs/verl.md.
+
+Loaded by verl itself on every ``import verl`` (entry point group ``verl.plugins``, Ray workers
+included), which registers the binary-information masks as verl policy losses ``pdmask_<method>``
+(``pdmask_ppo_clip``, ``pdmask_pg_is``, ``pdmask_dppo_binary_tv``, ``pdmask_dppo_binary_kl``).
+Top-K methods run as an engine loss function (``pdmask.integrations.verl.topk``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from packaging.version import Version
+
+#: verl releases this integration was written and tested against: [VERL_MIN, VERL_MAX).
+VERL_MIN, VERL_MAX = "0.9.1", "0.10"
+
+
+def check_verl_version(version: str) -> None:
+    """Raises ImportError unless ``version`` lies in [VERL_MIN, VERL_MAX)."""
+    base = Version(Version(version).base_version)
+    if not Version(VERL_MIN) <= base < Version(VERL_MAX):
+        raise ImportError(
+            f"pdmask.integrations.verl supports verl >={VERL_MIN},<{VERL_MAX} but verl {version} is installed: "
+            "install a supported verl with `pip install 'pdmask[verl]'`."
+        )
+
+
+try:
+    import verl
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError("pdmask.integrations.verl needs verl: `pip install 'pdmask[verl]'`.") from err
+try:
+    check_verl_version(verl.__version__)
+except ImportError as err:
+    # verl loads plugins with errors logged at debug level only; say it where the user will see it.
+    warnings.warn(str(err), stacklevel=2)
+    raise
+
+from pdmask.integrations.verl.losses import BINARY_METHODS, loss_name, verl_thresholds  # noqa: E402
+
+__all__ = ["BINARY_METHODS", "VERL_MAX", "VERL_MIN", "check_verl_version", "loss_name", "verl_thresholds"]
