@@ -35,7 +35,7 @@ def test_direction_signs_of_the_hand_built_positions(kind):
 
 
 @pytest.mark.parametrize("kind", ["tv", "kl"])
-@pytest.mark.parametrize("estimator", ["full", "bucket", "tail"])
+@pytest.mark.parametrize("estimator", ["full", "bucket", "tail", "uniform"])
 def test_dppo_keeps_but_pdm_drops_a_positive_token_that_raises_the_divergence(kind, estimator):
     s = position(*TOWARD_BUT_DIVERGING)
     adv = torch.tensor([1.0])
@@ -115,6 +115,7 @@ def test_registry_entries_are_complete():
     required = {
         "ppo_clip", "pg_is", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl",
         "pdm_full_tv", "pdm_full_kl", "pdm_bucket_tv", "pdm_bucket_kl", "pdm_tail_tv", "pdm_tail_kl",
+        "pdm_uniform_tv", "pdm_uniform_kl",
     }
     assert required <= set(METHODS)
     for name, m in METHODS.items():
@@ -123,3 +124,5 @@ def test_registry_entries_are_complete():
     assert METHODS["pdm_tail_kl"].defaults["delta_low"] == 0.05
     assert METHODS["ppo_clip"].defaults["eps_high"] == 0.28
     assert METHODS["pdm_tail_tv"].needs == "topk" and METHODS["pdm_full_kl"].needs == "full"
+    assert METHODS["pdm_uniform_kl"].needs == "topk" and METHODS["pdm_uniform_kl"].needs_sq_norm
+    assert METHODS["pdm_uniform_tv"].needs_uniform and not METHODS["pdm_uniform_kl"].needs_uniform

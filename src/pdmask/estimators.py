@@ -14,7 +14,7 @@ from pdmask.stats import FullReductions, PolicyStats
 
 KINDS = ("tv", "kl")
 INFOS = ("binary", "topk", "full")
-ESTIMATORS = ("full", "bucket", "tail")
+ESTIMATORS = ("full", "bucket", "tail", "uniform")
 
 
 def divergence(stats: PolicyStats, kind: str, info: str) -> Tensor:
@@ -43,7 +43,8 @@ def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
 
     KL: G = (π_a − μ_a) + ⟨μ,π⟩ − ‖π‖².  TV: G = ½[s_a π_a − Σ s_i π_i² + (‖π‖² − π_a) Σ s_i π_i].
     ``full`` sums over the vocabulary; ``bucket`` applies the same forms to the K+1 categories S ∪ {R};
-    ``tail`` keeps the exact ‖π‖² and assumes μ's tail proportional to π's tail.
+    ``tail`` keeps the exact ‖π‖² and takes μ's tail proportional to π's tail; ``uniform`` keeps π exact
+    and spreads μ's tail evenly over the T ids off S (μ_j = u = μ_R / T).
     """
     _check_choice("kind", kind, KINDS)
     _check_choice("estimator", estimator, ESTIMATORS)
@@ -55,25 +56,39 @@ def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
             return (pi_a - mu_a) + full.mu_dot_pi - sq
         return _tv_form(torch.sign(pi_a - mu_a), pi_a, sq, full.sign_pi, full.sign_pi2)
     b = _buckets(stats)
-    set_sq = b.pi_s.square().sum(-1)
     if estimator == "bucket":
-        tail_sq = b.pi_r.square()  # the rest bucket counts as one token
-        sq = set_sq + tail_sq
+        sq = b.pi_s.square().sum(-1) + b.pi_r.square()  # the rest bucket counts as one token
     else:
         sq = _require_sq_norm(stats, estimator)
-        assert stats.tail_sq is not None
-        tail_sq = stats.tail_sq
     if kind == "kl":
-        if estimator == "bucket":
-            tail_dot = b.mu_r * b.pi_r
-        else:
-            tail_dot = torch.where(b.pi_r > 0, b.mu_r / b.pi_r.clamp_min(_tiny(b.pi_r)), 0.0) * tail_sq
-        return (pi_a - mu_a) + (b.mu_s * b.pi_s).sum(-1) + tail_dot - sq
+        return (pi_a - mu_a) + (b.mu_s * b.pi_s).sum(-1) + _tail_dot(stats, b, estimator) - sq
     s_set = torch.sign(b.pi_s - b.mu_s)
-    s_r = torch.sign(b.pi_r - b.mu_r)
-    sign_pi = (s_set * b.pi_s).sum(-1) + s_r * b.pi_r
-    sign_pi2 = (s_set * b.pi_s.square()).sum(-1) + s_r * tail_sq
+    tail_sign_pi, tail_sign_pi2 = _tail_sign_sums(stats, b, estimator)
+    sign_pi = (s_set * b.pi_s).sum(-1) + tail_sign_pi
+    sign_pi2 = (s_set * b.pi_s.square()).sum(-1) + tail_sign_pi2
     return _tv_form(torch.sign(pi_a - mu_a), pi_a, sq, sign_pi, sign_pi2)
+
+
+def _tail_dot(stats: PolicyStats, b: _Buckets, estimator: str) -> Tensor:
+    """The tail's share of ⟨μ, π⟩ under each estimator's picture of μ off S."""
+    if estimator == "bucket":
+        return b.mu_r * b.pi_r
+    if estimator == "uniform":
+        return stats.even_tail_mu * b.pi_r
+    assert stats.tail_sq is not None
+    return torch.where(b.pi_r > 0, b.mu_r / b.pi_r.clamp_min(_tiny(b.pi_r)), 0.0) * stats.tail_sq
+
+
+def _tail_sign_sums(stats: PolicyStats, b: _Buckets, estimator: str) -> tuple[Tensor, Tensor]:
+    """The tail's shares of Σ s_i π_i and Σ s_i π_i² under each estimator's picture of μ off S."""
+    if estimator == "uniform":
+        sums = stats.uniform_tail_sums()
+        return sums[0], sums[1]
+    s_r = torch.sign(b.pi_r - b.mu_r)  # one sign for the whole tail
+    if estimator == "bucket":
+        return s_r * b.pi_r, s_r * b.pi_r.square()
+    assert stats.tail_sq is not None
+    return s_r * b.pi_r, s_r * stats.tail_sq
 
 
 def _tv_form(s_a: Tensor, pi_a: Tensor, sq: Tensor, sign_pi: Tensor, sign_pi2: Tensor) -> Tensor:
@@ -94,7 +109,7 @@ def _buckets(stats: PolicyStats) -> _Buckets:
             "this estimate needs top-K information about μ: pass RolloutLogprobs(topk_ids=..., topk_logp=...)."
         )
     mu_s = stats.set_mu
-    return _Buckets(stats.set_pi, mu_s, stats.rest_mass, (1 - mu_s.sum(-1)).clamp_min(0.0))
+    return _Buckets(stats.set_pi, mu_s, stats.rest_mass, stats.rollout_rest_mass)
 
 
 def _require_full(stats: PolicyStats) -> FullReductions:

@@ -10,7 +10,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from pdmask.estimators import divergence, predicted_change
+from pdmask.estimators import ESTIMATORS, divergence, predicted_change
 from pdmask.rollout import as_bool_mask
 from pdmask.stats import PolicyStats
 
@@ -42,13 +42,18 @@ class MaskMethod:
         """The least information about μ the method needs: "binary", "topk" or "full"."""
         if self.estimator == "full" or self.info == "full":
             return "full"
-        if self.estimator in ("bucket", "tail") or self.info == "topk":
+        if self.estimator is not None or self.info == "topk":
             return "topk"
         return "binary"
 
     @property
     def needs_sq_norm(self) -> bool:
-        return self.estimator in ("tail", "full")
+        return self.estimator in ("tail", "uniform", "full")
+
+    @property
+    def needs_uniform(self) -> bool:
+        """Whether the pass should sum the ``uniform`` estimator's thresholded tail (its TV form)."""
+        return self.estimator == "uniform" and self.kind == "tv"
 
 
 def _divergence_defaults(kind: str) -> Mapping[str, float]:
@@ -66,6 +71,7 @@ _ESTIMATOR_WORDS = {
     "full": "exact G over the whole vocabulary",
     "bucket": "G on the K+1 buckets TopK ∪ {a} ∪ rest",
     "tail": "exact ‖π‖² with μ's tail taken proportional to π's tail",
+    "uniform": "exact π with μ's unseen tail spread evenly over the ids off TopK ∪ {a}",
 }
 
 
@@ -96,7 +102,7 @@ def _registry() -> dict[str, MaskMethod]:
                     defaults=_divergence_defaults(kind),
                 )
             )
-        for estimator in ("full", "bucket", "tail"):
+        for estimator in ESTIMATORS:
             methods.append(
                 MaskMethod(
                     f"pdm_{estimator}_{kind}",

@@ -83,6 +83,16 @@ def tail_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -
     return predicted_change(z, torch.where(s, mu, pi * scale), a, kind)
 
 
+def uniform_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
+    """Full G against μ' = μ on S and μ'_j = μ_R / T off S (μ's tail spread evenly over the T ids off S)."""
+    s = set_mask(a, topk_ids, z.shape[-1])
+    mu = mu.double()
+    mu_r = (1 - torch.where(s, mu, 0.0).sum(-1, keepdim=True)).clamp_min(0)
+    outside = (~s).sum(-1, keepdim=True)
+    even = torch.where(outside > 0, mu_r / outside.clamp_min(1), 0.0)
+    return predicted_change(z, torch.where(s, mu, even), a, kind)
+
+
 def _nonzero(p: Tensor) -> Tensor:
     # The rest bucket can be exactly empty; a floor keeps log π̃ finite without moving G measurably.
     return p.clamp_min(1e-300)
@@ -97,4 +107,5 @@ __all__ = [
     "tail_change",
     "topk_divergence",
     "tv",
+    "uniform_change",
 ]

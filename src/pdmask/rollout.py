@@ -175,12 +175,12 @@ def _check_logp(name: str, logp: Tensor, allow_neg_inf: bool) -> Tensor:
     return logp.clamp(max=0.0)
 
 
-def check_tokens(tokens: object, vocab_size: int | None, shape: tuple[int, ...]) -> Tensor:
-    """Checks sampled token ids [...] against the logits' leading shape and (unless None) the vocabulary."""
+def check_tokens(tokens: object, vocab_size: int | None, shape: tuple[int, ...], source: str = "logits") -> Tensor:
+    """Checks sampled token ids [...] against the leading shape of ``source`` and (unless None) the vocabulary."""
     _require_tensor("tokens", tokens, floating=False)
     assert isinstance(tokens, Tensor)
     if tuple(tokens.shape) != shape:
-        raise ValueError(f"tokens has shape {tuple(tokens.shape)}; expected the logits' leading shape {shape}.")
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}; expected the {source}' leading shape {shape}.")
     tokens = tokens.long()
     if vocab_size is not None:
         _check_ids("tokens", tokens, vocab_size)

@@ -1,9 +1,14 @@
-"""One memory-lean pass over the vocabulary: log π(a) with its gradient, and every statistic the masks need."""
+"""One memory-lean pass over the vocabulary: log π(a) with its gradient, and every statistic the masks need.
+
+The per-block reductions (``shifted_sums``, ``normalised_sums``) serve both this module's pass over
+materialised logits, where a block is a chunk of rows with the whole vocabulary, and
+``pdmask.hidden``'s pass over blocks of rows × vocabulary computed from the hidden states.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -50,6 +55,11 @@ class PolicyStats:
     tail_sq: Tensor | None = None  # [...] Q = Σ_{j∉S} π_j²
     sq_norm: Tensor | None = None  # [...] ‖π‖² = Σ_S π_j² + Q
     full: FullReductions | None = None
+    tail_count: Tensor | None = None  # [...] T = V − |S|, the number of distinct ids off S
+    #: [2, ...] Σ_{j∉S} s_j π_j and Σ_{j∉S} s_j π_j² with s_j = sign(π_j − u), u = ``even_tail_mu``;
+    #: filled by the pass when asked for, else on first use by ``uniform_pass`` (a second pass).
+    uniform_sums: Tensor | None = None
+    uniform_pass: Callable[[], Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def pi_a(self) -> Tensor:
@@ -76,6 +86,29 @@ class PolicyStats:
         """π at S [..., C], 0 at invalid columns."""
         return self.set_logp.exp().masked_fill(~self.set_valid, 0.0)
 
+    @property
+    def rollout_rest_mass(self) -> Tensor:
+        """μ_R = 1 − Σ_S μ [...], clamped at 0."""
+        return _rest_of(self.set_mu)
+
+    @property
+    def even_tail_mu(self) -> Tensor:
+        """u = μ_R / T [...]: μ's unseen tail spread evenly over the T ids off S (0 when T = 0)."""
+        if self.tail_count is None:
+            raise ValueError("the uniform estimator needs the vocabulary size: pass stats_from_set(..., vocab_size=V).")
+        return _even_mu(self.set_mu, self.tail_count)
+
+    def uniform_tail_sums(self) -> Tensor:
+        """[2, ...] Σ_{j∉S} sign(π_j − u)·π_j and ·π_j², computed by a second pass when the first did not."""
+        if self.uniform_sums is None:
+            if self.uniform_pass is None:
+                raise ValueError(
+                    "the uniform estimator's TV needs sums over the vocabulary off S, which stats_from_set cannot "
+                    "give: compute the statistics with pdmask.policy_stats or pdmask.policy_stats_from_hidden."
+                )
+            self.uniform_sums = self.uniform_pass()
+        return self.uniform_sums
+
 
 def policy_stats(
     logits: Tensor,
@@ -84,6 +117,7 @@ def policy_stats(
     *,
     chunk_size: int | None = None,
     need_sq_norm: bool = True,
+    need_uniform: bool = False,
     response_mask: Tensor | None = None,
 ) -> PolicyStats:
     """Statistics of π = softmax(logits) at the sampled tokens, in one chunked pass.
@@ -94,7 +128,9 @@ def policy_stats(
         rollout: what is known of μ at each position.
         chunk_size: positions per chunk; by default the chunk's float32 temporaries stay within
             ``CHUNK_FRACTION`` of the logits' size (between 1 MiB and 64 MiB).
-        need_sq_norm: compute ‖π‖² = Σ exp(2·log π) (needed by the ``tail`` and ``full`` estimators).
+        need_sq_norm: compute ‖π‖² = Σ exp(2·log π) (needed by the ``tail``, ``uniform`` and ``full`` estimators).
+        need_uniform: also sum sign(π_j − u)·π_j and ·π_j² off S in this pass (the ``uniform`` estimator's
+            TV); otherwise a second pass over the retained logits computes them if they are ever used.
         response_mask: [...] 0/1; positions outside it may hold any padding in ``tokens`` and ``rollout``
             (they are replaced by a neutral token before validation; their statistics are meaningless).
     """
@@ -102,80 +138,52 @@ def policy_stats(
         raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V].")
     if logits.dim() < 1 or logits.shape[-1] < 2:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; expected [..., V] with V >= 2.")
-    if not isinstance(rollout, RolloutLogprobs):
-        raise TypeError(f"rollout must be a pdmask.RolloutLogprobs, got {type(rollout).__name__}.")
-    vocab = logits.shape[-1]
-    shape = tuple(logits.shape[:-1])
-    if response_mask is not None:
-        valid = as_bool_mask(response_mask, shape)
-        if not valid.all():
-            tokens = torch.where(valid, check_tokens(tokens, None, shape), 0)
-            rollout = rollout.masked(valid)
-    tokens = check_tokens(tokens, vocab, shape)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    rollout = rollout.validated(tokens, vocab, dtype)
+    prep = prepare(tokens, rollout, response_mask, tuple(logits.shape[:-1]), logits.shape[-1], dtype, "logits")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
-
-    n = tokens.numel()
-    flat_tokens = tokens.reshape(n)
-    set_ids = flat_tokens[:, None] if rollout.topk_ids is None else torch.cat(
-        [rollout.topk_ids.reshape(n, -1), flat_tokens[:, None]], -1
-    )
-    full_logp = None if rollout.full_logp is None else rollout.full_logp.reshape(n, vocab)
-    rows = chunk_size or _default_chunk(logits, dtype)
-
-    lse = torch.empty(n, dtype=dtype, device=logits.device)
-    set_logp = torch.empty(set_ids.shape, dtype=dtype, device=logits.device)
-    rest = torch.empty_like(lse)
-    tail_sq = torch.empty_like(lse) if need_sq_norm else None
-    full_red = None if full_logp is None else torch.empty(5, n, dtype=dtype, device=logits.device)
+    rows = chunk_size or _default_chunk(logits, dtype, 3 if need_uniform else 2)
+    acc = Accumulators.empty(prep, need_sq_norm, need_uniform)
+    source = logits.detach()
+    flat_u = prep.flat_even_mu
     with torch.no_grad():
-        # Reused buffers: fresh [rows, V] allocations per chunk cost page faults comparable to the exp itself.
-        exp_buf = torch.empty(min(rows, n), vocab, dtype=dtype, device=logits.device)
-        up_buf = None if logits.dtype == dtype else torch.empty_like(exp_buf)
-        for sl, chunk in _row_chunks(logits.detach(), rows):
-            rows_here = sl.stop - sl.start
-            z = chunk if up_buf is None else up_buf[:rows_here].copy_(chunk)
-            m = z.amax(-1, keepdim=True)
-            e = torch.sub(z, m, out=exp_buf[:rows_here]).exp_()
-            s1 = e.sum(-1)
-            lse[sl] = m.squeeze(-1) + s1.log()
-            set_logp[sl] = z.gather(-1, set_ids[sl]) - lse[sl, None]
-            if full_logp is not None and full_red is not None:
-                full_red[:, sl] = _full_reductions(z, e / s1[:, None], lse[sl], full_logp[sl].to(dtype))
-            e.scatter_(-1, set_ids[sl], 0.0)  # what is left is the tail off S
-            rest[sl] = e.sum(-1) / s1
-            if tail_sq is not None:
-                tail_sq[sl] = torch.linalg.vector_norm(e, dim=-1).square() / s1.square()
-    if not torch.isfinite(lse).all():
-        raise ValueError("logits contain NaN or +inf (or a row of only -inf); the trainer's logits must be finite.")
-
-    logp = _GatherLogProb.apply(logits, flat_tokens, lse, rows)
-    if not torch.isfinite(logp).all():
-        raise ValueError("logits are -inf at a sampled token: the trainer gives that token probability zero.")
-    set_valid, set_mu = _set_columns(tokens, rollout)
-    stats = PolicyStats(
-        logp=logp.reshape(shape),
-        rollout_logp=rollout.logp,
-        has_topk=rollout.topk_ids is not None,
-        has_full=rollout.full_logp is not None,
-        set_ids=set_ids.reshape(shape + (-1,)),
-        set_logp=set_logp.reshape(shape + (-1,)),
-        set_mu=set_mu,
-        set_valid=set_valid,
-        rest_mass=rest.reshape(shape),
-    )
-    if tail_sq is not None:
-        stats.tail_sq = tail_sq.reshape(shape)
-        stats.sq_norm = stats.set_pi.square().sum(-1) + stats.tail_sq
-    if full_red is not None:
-        stats.full = FullReductions(*(r.reshape(shape) for r in full_red))
+        bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, dtype, logits.device, need_uniform)
+        for sl, z in _upcast_chunks(source, rows, bufs):
+            m = z.amax(-1)
+            total, rest, tail_sq = shifted_sums(z, m, prep.set_ids[sl], bufs, acc.tail_sq is not None)
+            acc.lse[sl] = m + total.log()
+            acc.set_logp[sl] = z.gather(-1, prep.set_ids[sl]) - acc.lse[sl, None]
+            acc.rest[sl] = rest / total
+            if acc.tail_sq is not None:
+                acc.tail_sq[sl] = tail_sq / total.square()
+            acc.add_normalised(sl, z, bufs, prep.set_ids[sl], flat_u, prep.full_logp)
+    acc.check_finite("logits")
+    logp = _GatherLogProb.apply(logits, prep.flat_tokens, acc.lse, rows)
+    stats = acc.assemble(prep, logp)
+    if stats.uniform_sums is None and stats.has_topk:
+        stats.uniform_pass = lambda: _uniform_pass(source, rows, prep, acc.lse)
     return stats
 
 
+def _uniform_pass(logits: Tensor, rows: int, prep: Prepared, lse: Tensor) -> Tensor:
+    """[2, ...] the uniform estimator's sums by a second pass over the logits."""
+    out = torch.empty(2, prep.n, dtype=lse.dtype, device=lse.device)
+    flat_u = prep.flat_even_mu
+    with torch.no_grad():
+        bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, lse.dtype, logits.device, True)
+        for sl, z in _upcast_chunks(logits, rows, bufs):
+            out[:, sl] = normalised_sums(z, lse[sl], prep.set_ids[sl], bufs, flat_u[sl], None)[1]
+    return out.reshape((2,) + prep.shape)
+
+
 def stats_from_set(
-    logp: Tensor, tokens: Tensor, rollout: RolloutLogprobs, set_logp: Tensor, *, sq_norm: Tensor | None = None
+    logp: Tensor,
+    tokens: Tensor,
+    rollout: RolloutLogprobs,
+    set_logp: Tensor,
+    *,
+    sq_norm: Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> PolicyStats:
     """PolicyStats from what a trainer's own forward already has, with no pass over the vocabulary here.
 
@@ -183,7 +191,9 @@ def stats_from_set(
         logp: log π(a) [...], as the trainer computed it (keeps its gradient).
         tokens: a [...]; rollout: μ, already ``validated`` against the tokens (binary or top-K).
         set_logp: log π at S [..., C], the columns of ``rollout.topk_ids`` then a (C = 1 for binary).
-        sq_norm: ‖π‖² [...] if the trainer's forward reduced it (needed by ``tail``).
+        sq_norm: ‖π‖² [...] if the trainer's forward reduced it (needed by ``tail`` and ``uniform``).
+        vocab_size: V, for the ``uniform`` estimator's even tail u = μ_R / (V − |S|) (its KL form;
+            its TV form needs sums over the vocabulary that only a pass gives).
     Off S nothing is summed, so π_R = 1 − π(S) (by expm1) and Q = ‖π‖² − Σ_S π² (clamped into
     [0, π_R²], the range the true value lies in): less precise than ``policy_stats`` when π_R < ~1e-6.
     """
@@ -191,6 +201,8 @@ def stats_from_set(
     set_ids = tokens.unsqueeze(-1) if rollout.topk_ids is None else torch.cat([rollout.topk_ids, tokens.unsqueeze(-1)], -1)
     if set_logp.shape != set_ids.shape:
         raise ValueError(f"set_logp has shape {tuple(set_logp.shape)}; expected {tuple(set_ids.shape)} (top-K ids, then a).")
+    if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < set_ids.shape[-1]):
+        raise ValueError(f"vocab_size must be an int >= {set_ids.shape[-1]} (the columns of S), got {vocab_size!r}.")
     in_set = torch.logsumexp(set_logp.detach().masked_fill(~set_valid, -torch.inf), -1)
     stats = PolicyStats(
         logp=logp,
@@ -202,12 +214,209 @@ def stats_from_set(
         set_mu=set_mu,
         set_valid=set_valid,
         rest_mass=(-torch.expm1(in_set)).clamp_min(0.0),
+        tail_count=None if vocab_size is None else _tail_count(set_valid, vocab_size, set_mu.dtype),
     )
     if sq_norm is not None:
         set_sq = stats.set_pi.square().sum(-1)
         stats.tail_sq = torch.minimum((sq_norm.detach() - set_sq).clamp_min(0.0), stats.rest_mass.square())
         stats.sq_norm = set_sq + stats.tail_sq
     return stats
+
+
+@dataclass
+class Prepared:
+    """Validated inputs of a pass: flat [n] positions, S's ids [n, C] and what is known of μ there."""
+
+    shape: tuple[int, ...]
+    vocab: int
+    tokens: Tensor  # [...]
+    rollout: RolloutLogprobs  # validated, in the compute dtype
+    set_ids: Tensor  # [n, C], a last
+    set_valid: Tensor  # [..., C]
+    set_mu: Tensor  # [..., C]
+    tail_count: Tensor  # [...]
+    full_logp: Tensor | None  # [n, V]
+
+    @property
+    def n(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def flat_tokens(self) -> Tensor:
+        return self.tokens.reshape(self.n)
+
+    @property
+    def flat_even_mu(self) -> Tensor:
+        """u [n] of the uniform estimator."""
+        return _even_mu(self.set_mu, self.tail_count).reshape(self.n)
+
+
+def prepare(
+    tokens: Tensor,
+    rollout: RolloutLogprobs,
+    response_mask: Tensor | None,
+    shape: tuple[int, ...],
+    vocab: int,
+    dtype: torch.dtype,
+    source: str,
+) -> Prepared:
+    """Checks tokens and rollout against the leading ``shape`` and vocabulary of ``source`` (for errors);
+    positions outside ``response_mask`` become the neutral token 0 with μ(0) = 1."""
+    if not isinstance(rollout, RolloutLogprobs):
+        raise TypeError(f"rollout must be a pdmask.RolloutLogprobs, got {type(rollout).__name__}.")
+    if response_mask is not None:
+        valid = as_bool_mask(response_mask, shape)
+        if not valid.all():
+            tokens = torch.where(valid, check_tokens(tokens, None, shape, source), 0)
+            rollout = rollout.masked(valid)
+    tokens = check_tokens(tokens, vocab, shape, source)
+    rollout = rollout.validated(tokens, vocab, dtype)
+    n = tokens.numel()
+    flat_tokens = tokens.reshape(n)
+    set_ids = flat_tokens[:, None] if rollout.topk_ids is None else torch.cat(
+        [rollout.topk_ids.reshape(n, -1), flat_tokens[:, None]], -1
+    )
+    set_valid, set_mu = _set_columns(tokens, rollout)
+    return Prepared(
+        shape, vocab, tokens, rollout, set_ids, set_valid, set_mu, _tail_count(set_valid, vocab, dtype),
+        None if rollout.full_logp is None else rollout.full_logp.reshape(n, vocab),
+    )
+
+
+@dataclass
+class Buffers:
+    """Reused flat temporaries for blocks of up to ``size`` elements (fresh allocations per block cost page
+    faults comparable to the exp itself), with one spare element that takes the writes meant for S's ids
+    outside a block of the vocabulary."""
+
+    exp: Tensor
+    sign: Tensor | None
+    upcast: Tensor | None = None
+
+    @staticmethod
+    def empty(size: int, dtype: torch.dtype, device: torch.device, need_sign: bool) -> Buffers:
+        exp = torch.empty(size + 1, dtype=dtype, device=device)
+        return Buffers(exp, torch.empty_like(exp) if need_sign else None)
+
+    @staticmethod
+    def block(buf: Tensor, rows: int, cols: int) -> Tensor:
+        """A contiguous [rows, cols] view of a flat buffer."""
+        return buf[: rows * cols].view(rows, cols)
+
+    @staticmethod
+    def zero_at(buf: Tensor, set_cols: Tensor, rows: int, cols: int) -> None:
+        """Zeroes S's entries of the [rows, cols] block view; set_cols [rows, C] holds cols for ids outside it."""
+        row_start = torch.arange(rows, device=buf.device)[:, None] * cols
+        buf.index_fill_(0, torch.where(set_cols < cols, row_start + set_cols, rows * cols).reshape(-1), 0.0)
+
+
+@dataclass
+class Accumulators:
+    """Flat [n] (or [k, n]) results of a pass."""
+
+    lse: Tensor
+    set_logp: Tensor
+    rest: Tensor
+    tail_sq: Tensor | None
+    full: Tensor | None  # [5, n]
+    uniform: Tensor | None  # [2, n]
+
+    @staticmethod
+    def empty(prep: Prepared, need_sq_norm: bool, need_uniform: bool) -> Accumulators:
+        def zeros(*size: int) -> Tensor:
+            return torch.zeros(*size, dtype=prep.set_mu.dtype, device=prep.tokens.device)
+
+        return Accumulators(
+            zeros(prep.n), zeros(*prep.set_ids.shape), zeros(prep.n), zeros(prep.n) if need_sq_norm else None,
+            None if prep.full_logp is None else zeros(5, prep.n),
+            zeros(2, prep.n) if need_uniform and prep.rollout.topk_ids is not None else None,
+        )
+
+    def add_normalised(
+        self, sl: slice, z: Tensor, bufs: Buffers, set_cols: Tensor, flat_u: Tensor, full_logp: Tensor | None,
+        vocab: slice = slice(None),
+    ) -> None:
+        """Adds one block's full-μ reductions and uniform sums (those asked for); the block z [r, c] holds
+        rows ``sl`` and vocabulary ids ``vocab``, the rows' lse is final."""
+        u = None if self.uniform is None else flat_u[sl]
+        logq = None if self.full is None or full_logp is None else full_logp[sl, vocab]
+        if u is None and logq is None:
+            return
+        full, uniform = normalised_sums(z, self.lse[sl], set_cols, bufs, u, logq)
+        if full is not None and self.full is not None:
+            self.full[:, sl] += full
+        if uniform is not None and self.uniform is not None:
+            self.uniform[:, sl] += uniform
+
+    def check_finite(self, source: str) -> None:
+        if not torch.isfinite(self.lse).all():
+            raise ValueError(
+                f"{source} contain NaN or +inf (or a row of only -inf); the trainer's logits must be finite."
+            )
+
+    def assemble(self, prep: Prepared, logp: Tensor) -> PolicyStats:
+        if not torch.isfinite(logp).all():
+            raise ValueError("logits are -inf at a sampled token: the trainer gives that token probability zero.")
+        shape = prep.shape
+        stats = PolicyStats(
+            logp=logp.reshape(shape),
+            rollout_logp=prep.rollout.logp,
+            has_topk=prep.rollout.topk_ids is not None,
+            has_full=prep.rollout.full_logp is not None,
+            set_ids=prep.set_ids.reshape(shape + (-1,)),
+            set_logp=self.set_logp.reshape(shape + (-1,)),
+            set_mu=prep.set_mu,
+            set_valid=prep.set_valid,
+            rest_mass=self.rest.reshape(shape),
+            tail_count=prep.tail_count,
+            uniform_sums=None if self.uniform is None else self.uniform.reshape((2,) + shape),
+        )
+        if self.tail_sq is not None:
+            stats.tail_sq = self.tail_sq.reshape(shape)
+            stats.sq_norm = stats.set_pi.square().sum(-1) + stats.tail_sq
+        if self.full is not None:
+            stats.full = FullReductions(*(r.reshape(shape) for r in self.full))
+        return stats
+
+
+def shifted_sums(
+    z: Tensor, shift: Tensor, set_cols: Tensor, bufs: Buffers, need_sq: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """For one block z [r, c] and e = exp(z − shift): Σ e, Σ_{j∉S} e and (if need_sq) Σ_{j∉S} e² per row.
+
+    set_cols [r, C] are S's columns in the block, c for ids outside it.
+    """
+    r, c = z.shape
+    e = torch.sub(z, shift[:, None], out=Buffers.block(bufs.exp, r, c)).exp_()
+    total = e.sum(-1)
+    Buffers.zero_at(bufs.exp, set_cols, r, c)  # what is left is the tail off S
+    return total, e.sum(-1), torch.linalg.vector_norm(e, dim=-1).square() if need_sq else None
+
+
+def normalised_sums(
+    z: Tensor, lse: Tensor, set_cols: Tensor, bufs: Buffers, u: Tensor | None, logq: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """For one block z [r, c] with the rows' final lse and p = exp(z − lse): the full-μ reductions [5, r]
+    against log μ = logq [r, c] (if given), and Σ_{j∉S} s_j p_j, Σ_{j∉S} s_j p_j² [2, r] with
+    s_j = sign(p_j − u) (if u [r] is given). set_cols as in ``shifted_sums``."""
+    r, c = z.shape
+    p = torch.sub(z, lse[:, None], out=Buffers.block(bufs.exp, r, c)).exp_()
+    full = None if logq is None else _full_reductions(z, p, lse, logq.to(z.dtype))
+    if u is None:
+        return full, None
+    assert bufs.sign is not None
+    Buffers.zero_at(bufs.exp, set_cols, r, c)
+    sp = torch.sub(p, u[:, None], out=Buffers.block(bufs.sign, r, c)).sign_().mul_(p)
+    return full, torch.stack([sp.sum(-1), torch.linalg.vecdot(sp, p)])
+
+
+def _upcast_chunks(logits: Tensor, rows: int, bufs: Buffers) -> Iterator[tuple[slice, Tensor]]:
+    """(flat positions, [rows, V] chunk in the compute dtype), upcast into a reused buffer when needed."""
+    dtype = bufs.exp.dtype
+    if logits.dtype != dtype and bufs.upcast is None:
+        bufs.upcast = torch.empty_like(bufs.exp)
+    for sl, chunk in _row_chunks(logits, rows):
+        yield sl, chunk if bufs.upcast is None else Buffers.block(bufs.upcast, *chunk.shape).copy_(chunk)
 
 
 def _set_columns(tokens: Tensor, rollout: RolloutLogprobs) -> tuple[Tensor, Tensor]:
@@ -220,8 +429,20 @@ def _set_columns(tokens: Tensor, rollout: RolloutLogprobs) -> tuple[Tensor, Tens
     return set_valid, set_mu
 
 
+def _tail_count(set_valid: Tensor, vocab: int, dtype: torch.dtype) -> Tensor:
+    return (vocab - set_valid.sum(-1)).to(dtype)
+
+
+def _rest_of(set_mu: Tensor) -> Tensor:
+    return (1 - set_mu.sum(-1)).clamp_min(0.0)
+
+
+def _even_mu(set_mu: Tensor, tail_count: Tensor) -> Tensor:
+    return torch.where(tail_count > 0, _rest_of(set_mu) / tail_count.clamp_min(1), 0.0)
+
+
 def _full_reductions(z: Tensor, p: Tensor, lse: Tensor, logq: Tensor) -> Tensor:
-    """[5, n] = (TV, KL(μ‖π), ⟨μ,π⟩, Σ sπ, Σ sπ²) for one chunk; p = softmax(z), logq = log μ."""
+    """[5, n] = (TV, KL(μ‖π), ⟨μ,π⟩, Σ sπ, Σ sπ²) for one block; p = softmax(z) there, logq = log μ."""
     q = logq.exp()
     diff = p - q
     tv = 0.5 * diff.abs().sum(-1)
@@ -231,10 +452,10 @@ def _full_reductions(z: Tensor, p: Tensor, lse: Tensor, logq: Tensor) -> Tensor:
     return torch.stack([tv, kl_terms.sum(-1), (q * p).sum(-1), sp.sum(-1), torch.linalg.vecdot(sp, p)])
 
 
-def _default_chunk(logits: Tensor, dtype: torch.dtype) -> int:
+def _default_chunk(logits: Tensor, dtype: torch.dtype, temporaries: int) -> int:
     budget = min(max(CHUNK_FRACTION * logits.numel() * logits.element_size(), CHUNK_MIN_BYTES), CHUNK_MAX_BYTES)
-    # Two temporaries of the compute dtype per row: the upcast logits and their exponentials.
-    per_row = 2 * logits.shape[-1] * torch.finfo(dtype).bits // 8
+    # Temporaries of the compute dtype per row: the upcast logits, their exponentials (and the signs).
+    per_row = temporaries * logits.shape[-1] * torch.finfo(dtype).bits // 8
     return max(1, int(budget // per_row))
 
 
