@@ -1,22 +1,40 @@
-"""`pdmask analyze --preset smoke` end to end: report files, check 5 on a real run, time budget."""
+"""`pdmask analyze --preset smoke` end to end: report files, strict JSON, check 5 on a real run, time budget."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from pdmask.cli import main
 
 
-def test_smoke_preset_writes_the_report(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setenv("PDMASK_CACHE", str(tmp_path / "cache"))  # a fresh clone: the SFT warm start is trained
-    out = tmp_path / "analyze"
-    start = time.perf_counter()
-    assert main(["analyze", "--preset", "smoke", "--out", str(out)]) == 0
-    assert time.perf_counter() - start < 60
-    for name in ("analysis.json", "report.md", "agreement.png", "by_pi_a.png", "topk.png"):
+def _no_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON literal {name}")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[Path, float, str]:
+    """One smoke run from a fresh clone (the SFT warm start is trained): (run folder, seconds, stdout)."""
+    root = tmp_path_factory.mktemp("smoke")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDMASK_CACHE", str(root / "cache"))
+        capture = root / "stdout.txt"
+        start = time.perf_counter()
+        with capture.open("w") as f, contextlib.redirect_stdout(f):
+            assert main(["analyze", "--preset", "smoke", "--out", str(root / "analyze")]) == 0
+        seconds = time.perf_counter() - start
+    return root, seconds, capture.read_text()
+
+
+def test_smoke_preset_writes_the_report(smoke) -> None:
+    root, seconds, printed = smoke
+    out = root / "analyze"
+    assert seconds < 60
+    for name in ("analysis.json", "report.md", "agreement.png", "by_pi_a.png", "topk.png", "masks.png"):
         assert (out / name).stat().st_size > 0
     data = json.loads((out / "analysis.json").read_text())
     assert data["config"]["model"] == "tiny"
@@ -24,8 +42,29 @@ def test_smoke_preset_writes_the_report(tmp_path, monkeypatch, capsys) -> None:
         head = data["agreement"][kind]["head"]["pdm_full"]["all"]
         assert head["n"] > 0 and head["k"] == head["n"]  # method.md check 5 on the real model
         assert set(data["topk_tracking"][kind]) >= {"bucket@1", "tail@20", "gw_tail@20"}
-    printed = capsys.readouterr().out
-    assert "Verdict" in printed and "pdm_full" in printed
+        # Check 5 for the mask: against the output layer alone, pdm_full never keeps unsafely nor drops in vain.
+        view = data["mask_view"][f"pdm_full_{kind}"]["head"]
+        assert view["unsafe_keep"]["k"] == 0 and view["wasted_drop"]["k"] == 0
+    assert {v["rule"] for v in data["mask_view"].values()} == {"dppo", "pdm"}
+    # The smoke thresholds put tokens with autograd truth beyond δ, so the mask view counts something.
+    assert any(sum(v["own_sgd"]["counts"].values()) > 0 for v in data["mask_view"].values())
+    assert "Verdict" in printed and "pdm_full" in printed and "unsafe keep" in printed
+    assert "Mask view" in (out / "report.md").read_text()
+
+
+def test_smoke_writes_strict_json_only(smoke) -> None:
+    """Every JSON file of the run parses without NaN/Infinity literals; undefined rates are null."""
+    root, _, _ = smoke
+    files = sorted(root.rglob("*.json"))
+    assert root / "analyze" / "analysis.json" in files
+    for path in files:
+        json.loads(path.read_text(), parse_constant=_no_constant)
+    data = json.loads((root / "analyze" / "analysis.json").read_text())
+    # The smoke run has empty subsets (no token beyond δ in some π(a) buckets): their rates are null, not 0.
+    cells = [c for per_truth in data["agreement"].values() for per_signal in per_truth.values()
+             for cells in per_signal.values() for c in cells["by_pi_a"].values()]
+    empty = [c for c in cells if c["n"] == 0]
+    assert empty and all(c["rate"] is None and c["lo"] is None and c["hi"] is None for c in empty)
 
 
 @pytest.mark.parametrize("flags", [["--stale-steps", "0"], ["--model", "nope"], ["--advantages", "grpo", "--ks", "1,600"]])

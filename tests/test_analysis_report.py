@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from pdmask.analysis.experiment import TokenResults
-from pdmask.analysis.report import TRUTHS, agreement, summarize, verdict, wilson
+from pdmask.analysis.intervals import wilson
+from pdmask.analysis.report import TRUTHS, agreement, summarize, verdict
 
 
 def test_wilson_known_values() -> None:
@@ -17,7 +16,7 @@ def test_wilson_known_values() -> None:
     lo, hi = wilson(0, 10)
     assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
     assert wilson(10, 10)[1] == pytest.approx(1.0)
-    assert all(math.isnan(x) for x in wilson(0, 0))
+    assert wilson(0, 0) == (None, None)
 
 
 def test_agreement_skips_unmeasured_and_zero_truths() -> None:
@@ -43,6 +42,12 @@ def _results(m: int = 40) -> TokenResults:
     truths = {name: own.clone() for name in TRUTHS}
     truths["step_adam"] = ratio.clone()  # measured everywhere
     signals = {"ratio": ratio, "pdm_full": pdm}
+    # Two direction masks set by hand: every token from 10 on is beyond δ; one keeps all, one drops all.
+    beyond = torch.arange(m) >= 10
+    masks = {
+        "dppo_topk_tv": {"beyond": beyond, "keep": torch.ones(m, dtype=torch.bool)},
+        "pdm_tail_tv": {"beyond": beyond, "keep": ~beyond},
+    }
     return TokenResults(
         advantage=adv,
         pi_a=torch.linspace(0.01, 0.99, m, dtype=torch.float64),
@@ -53,6 +58,8 @@ def _results(m: int = 40) -> TokenResults:
         truth={k: {n: t.clone() for n, t in truths.items()} for k in ("tv", "kl")},
         sampled=sampled,
         targeted=targeted,
+        row=torch.arange(m) // 2,
+        masks=masks,
     )
 
 
@@ -84,3 +91,22 @@ def test_grpo_advantages_normalise_within_groups() -> None:
     adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), group_size=2)
     assert adv[0] > 0 > adv[1] and adv[0] == pytest.approx(-adv[1])
     assert torch.equal(adv[2:], torch.zeros(2))  # equal rewards: no signal
+
+
+def test_mask_view_counts_the_uniform_sample_beyond_delta() -> None:
+    res = _results()
+    summary = summarize(res, {"tv": 0.15, "kl": 0.05})
+    view = summary["mask_view"]
+    assert set(view) == {"dppo_topk_tv", "pdm_tail_tv"}
+    # Beyond δ and sampled: tokens 10..29 (20 tokens); the own truth there is `pdm`.
+    raises = int((res.signals["tv"]["pdm_full"][10:30] > 0).sum())
+    keep_all, drop_all = view["dppo_topk_tv"]["own_sgd"], view["pdm_tail_tv"]["own_sgd"]
+    assert (keep_all["unsafe_keep"]["k"], keep_all["unsafe_keep"]["n"]) == (raises, 20)
+    assert keep_all["wasted_drop"]["n"] == 0 and keep_all["wasted_drop"]["rate"] is None
+    assert (drop_all["wasted_drop"]["k"], drop_all["wasted_drop"]["n"]) == (20 - raises, 20)
+    assert drop_all["unsafe_keep"]["n"] == 0
+    # How often each mask acts counts every token, not only the sample.
+    assert view["pdm_tail_tv"]["beyond_delta"] == 30 and view["pdm_tail_tv"]["dropped"] == 30
+    assert view["dppo_topk_tv"]["dropped"] == 0 and view["dppo_topk_tv"]["drop_share"] == 0.0
+    assert view["pdm_tail_tv"]["kind"] == "tv" and view["pdm_tail_tv"]["rule"] == "pdm"
+    assert any("unsafe keeps" in line and "dppo_topk_tv" in line for line in verdict(summary))

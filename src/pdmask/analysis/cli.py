@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import shlex
 import sys
 import time
@@ -24,14 +25,18 @@ if TYPE_CHECKING:
 
     from pdmask.lab.config import Config
 
-HELP = "Measure how well each direction signal (ratio sign, PDM full/bucket/tail, G_W) predicts the real change of D."
+HELP = (
+    "Measure how well each direction signal (ratio sign, PDM, G_W) predicts the real change of D, "
+    "and each mask's unsafe keeps and wasted drops beyond δ."
+)
 
 #: Presets: the field values they set; explicit flags win. Pretrained models get PRETRAINED's variant on top.
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     # Random advantages: a 30-step warm start may earn no reward at all, and the smoke run checks the plumbing.
+    # Its D stays far below the default δ; thresholds near its median D give the mask view tokens to count.
     "smoke": {"model": "tiny", "prompts": 8, "group_size": 4, "stale_steps": 1, "sample_tokens": 24, "sft_steps": 30,
-              "advantages": "random"},
+              "advantages": "random", "delta": {"tv": 0.01, "kl": 0.0004}},
 }
 # Random advantages for pretrained models: SmolLM2-135M almost never solves `arithmetic`, so GRPO leaves
 # nearly every token with A = 0. The per-token agreement does not depend on A's sign (signal and
@@ -73,7 +78,7 @@ def config_from_args(args: argparse.Namespace) -> AnalysisConfig:
     """Preset values, then the pretrained-model variant, then explicit flags."""
     from pdmask.lab.models import is_pretrained
 
-    values: dict[str, Any] = dict(PRESETS[args.preset])
+    values: dict[str, Any] = copy.deepcopy(PRESETS[args.preset])
     flags = {
         name: getattr(args, name)
         for name in ("model", "task", "reward", "source", "rollout_dtype", "stale_steps", "lr", "prompts", "group_size",
@@ -145,8 +150,25 @@ def tracking_table(summary: dict):
         cells = []
         for kind in KINDS:
             t = summary["topk_tracking"][kind][name]
-            cells += [f"{100 * t['sign_match']:.1f}%", f"{t['corr']:.3f}"]
+            cells += [f"{100 * t['sign_match']:.1f}%", "—" if t["corr"] is None else f"{t['corr']:.3f}"]
         table.add_row(name, *cells)
+    return table
+
+
+def mask_table(summary: dict, kind: str):
+    """Unsafe keeps and wasted drops of every direction mask of one divergence (docs/analysis.md)."""
+    from rich.table import Table
+
+    from pdmask.analysis.report import MASK_COLUMNS, mask_rows
+
+    table = Table(
+        title=f"{kind.upper()}: mask view beyond δ, % [95% CI, clustered by response] k/n", title_justify="left"
+    )
+    for header in ("method", "D > δ / dropped\n(all tokens)", "beyond δ\nwith truth", *(h.replace(", ", "\n") for *_, h in MASK_COLUMNS)):
+        table.add_column(header, justify="left" if header == "method" else "right")
+    for name, acted, sampled, cells in mask_rows(summary, kind):
+        shares = ("—" if not c["n"] else f"{100 * c['rate']:.1f} [{100 * c['lo']:.0f}–{100 * c['hi']:.0f}] {c['k']}/{c['n']}" for c in cells)
+        table.add_row(name, acted, sampled, *shares)
     return table
 
 
@@ -222,9 +244,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     out = Console(width=max(Console().width, 150))
     for kind in KINDS:
         out.print(agreement_table(summary, kind))
+    for kind in KINDS:
+        out.print(mask_table(summary, kind))
     out.print(tracking_table(summary))
     out.print("[bold]Verdict[/bold]")
     for line in summary["verdict"]:
         out.print(f"- {line}")
-    out.print(f"Report: {path} (analysis.json, agreement.png, by_pi_a.png, topk.png); {timing['total_s']:.0f} s.")
+    out.print(f"Report: {path} (analysis.json, agreement.png, by_pi_a.png, topk.png, masks.png); {timing['total_s']:.0f} s.")
     return 0

@@ -12,7 +12,7 @@ Recipe (docs/analysis.md):
    (ratio sign, PDM full/bucket/tail at each K, G_W) and the true D; on a sample of them the autograd
    ground truth (plain, Adam-preconditioned, output layer only); on all of them the actual change of D
    after one real step on the whole minibatch (Adam with its state, and a plain gradient step of the
-   same parameter-space length).
+   same parameter-space length), and every direction mask's decision (``maskview``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pdmask import (
     predicted_change,
 )
 from pdmask.analysis.kernel import kernel_change
+from pdmask.analysis.maskview import mask_decisions
 from pdmask.analysis.truth import (
     KINDS,
     adam_preconditioner,
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from pdmask.lab.tasks import Task
 
 SOURCES = ("mismatch", "stale", "both")
+#: The top-K estimators of G that the registry's predictive masks use, each analysed at every K.
+TOPK_ESTIMATORS = tuple(dict.fromkeys(m.estimator for m in METHODS.values() if m.rule == "pdm" and m.info == "topk"))
 #: The surrogate of the optimizer steps: truncated IS without a trust region, so every token moves.
 STEP_METHOD = "pg_is"
 
@@ -120,6 +123,8 @@ class TokenResults:
     truth: dict[str, dict[str, Tensor]]
     sampled: Tensor  # bool [M]: the uniform sample with autograd truth
     targeted: Tensor  # bool [M]: tokens added because PDM full and the ratio sign disagree there
+    row: Tensor  # [M]: the response each token belongs to (its tokens share A and context)
+    masks: dict[str, dict[str, Tensor]]  # method -> {"beyond", "keep"} bool [M] at K = max(ks) (maskview)
 
 
 @contextmanager
@@ -242,9 +247,11 @@ def run_analysis(
         sub = RolloutLogprobs(mu_logp_a, batch.topk_ids[keep][:, :k_top], batch.topk_logp[keep][:, :k_top])
         st = policy_stats(zf, tokens, sub)
         for kind in KINDS:
-            for est in ("bucket", "tail"):
+            for est in TOPK_ESTIMATORS:
                 raw[kind][f"{est}@{k_top}"] = predicted_change(st, kind, est)
     top = RolloutLogprobs(mu_logp_a, batch.topk_ids[keep], batch.topk_logp[keep], full_logp)
+    # Every mask method's decision, each from the information it uses (μ's top max(ks), or all of μ).
+    masks = mask_decisions(policy_stats(zf, tokens, top), a, cfg.delta)
     for kind in KINDS:
         raw[kind]["gw_full"] = kernel_change(zf, tokens, top, w, kind, "full")
         raw[kind][f"gw_tail@{max(cfg.ks)}"] = kernel_change(zf, tokens, top, w, kind, "tail")
@@ -314,6 +321,8 @@ def run_analysis(
         truth=truth,
         sampled=sampled,
         targeted=targeted,
+        row=rows_idx,
+        masks=masks,
     )
     return results, times
 

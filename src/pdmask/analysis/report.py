@@ -1,16 +1,18 @@
-"""Agreement tables with Wilson intervals, top-K tracking, the verdict, analysis.json, report.md and plots."""
+"""Agreement tables with Wilson intervals, the mask view, top-K tracking, the verdict, analysis.json, report.md and plots."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from pdmask.analysis.experiment import TokenResults
+from pdmask import METHODS, jsonio
+from pdmask.analysis.experiment import TOPK_ESTIMATORS, TokenResults
+from pdmask.analysis.intervals import wilson
+from pdmask.analysis.maskview import mask_view
 from pdmask.methods import beyond_threshold
 
 #: Ground truths, in the order reported. "own_*" are autograd first-order changes on the token sample.
@@ -26,36 +28,30 @@ SUBSETS = {
     "beyond_delta": "tokens with D > δ (where the mask acts)",
     "differs_from_ratio": "tokens where PDM full and the ratio sign disagree (where the choice matters)",
 }
+#: Truths of the mask view: the token's own first-order change (and check 5's output layer alone).
+MASK_TRUTHS = ("own_sgd", "own_adam", "head")
+#: The predictive-mask paper's unsafe-keep rates (its models and setting, not this run), drawn for scale.
+PAPER_UNSAFE_KEEP = {"dppo": (0.369, "ratio sign"), "pdm": (0.342, "divergence-based")}
 #: π(a) bucket edges: confident tokens behave differently from unlikely ones (the softmax coupling).
 PI_EDGES = (0.0, 0.1, 0.5, 0.9, 1.0)
-Z95 = 1.959963984540054
-
-
-def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion k/n ((nan, nan) for n = 0)."""
-    if n == 0:
-        return float("nan"), float("nan")
-    p = k / n
-    denom = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    # The interval contains p; clamping keeps rounding from putting p outside it.
-    return max(0.0, min(p, center - half)), min(1.0, max(p, center + half))
 
 
 def agreement(signal: Tensor, truth: Tensor, subset: Tensor) -> dict:
-    """Rate at which sign(signal) = sign(truth) on ``subset``, skipping unmeasured (NaN) and exact-zero truths."""
+    """Rate at which sign(signal) = sign(truth) on ``subset``, skipping unmeasured (NaN) and exact-zero truths.
+
+    Rate and interval are None over an empty subset.
+    """
     valid = subset & torch.isfinite(truth) & (truth != 0)
     n = int(valid.sum())
     k = int((torch.sign(signal[valid]) == torch.sign(truth[valid])).sum())
     lo, hi = wilson(k, n)
-    return {"rate": k / n if n else float("nan"), "lo": lo, "hi": hi, "n": n, "k": k}
+    return {"rate": k / n if n else None, "lo": lo, "hi": hi, "n": n, "k": k}
 
 
-def _pearson(x: Tensor, y: Tensor) -> float:
+def _pearson(x: Tensor, y: Tensor) -> float | None:
     x, y = x - x.mean(), y - y.mean()
     denom = (x.norm() * y.norm()).item()
-    return (x @ y).item() / denom if denom > 0 else float("nan")
+    return (x @ y).item() / denom if denom > 0 else None
 
 
 def pi_bucket_labels() -> list[str]:
@@ -63,8 +59,8 @@ def pi_bucket_labels() -> list[str]:
 
 
 def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
-    """All agreement rates (per kind, truth, signal, subset and π(a) bucket) and the top-K tracking."""
-    out: dict = {"agreement": {}, "topk_tracking": {}, "counts": {}}
+    """All agreement rates (per kind, truth, signal, subset and π(a) bucket), the mask view and the top-K tracking."""
+    out: dict = {"agreement": {}, "topk_tracking": {}, "counts": {}, "mask_view": summarize_masks(res, delta)}
     bucket = torch.bucketize(res.pi_a, torch.tensor(PI_EDGES[1:-1], dtype=res.pi_a.dtype), right=True)
     labels = pi_bucket_labels()
     everyone = torch.ones_like(res.pi_a, dtype=torch.bool)
@@ -107,6 +103,33 @@ def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
     return out
 
 
+def summarize_masks(res: TokenResults, delta: dict[str, float]) -> dict:
+    """Per direction method: how often it acts (all tokens) and its unsafe keeps / wasted drops per truth.
+
+    The truths are autograd ones, so the rates use the uniform sample (unbiased); intervals are
+    Wilson on the effective number of tokens, clustered by response.
+    """
+    out: dict = {}
+    for name, dec in res.masks.items():
+        m = METHODS[name]
+        assert m.kind is not None
+        beyond, dropped = int(dec["beyond"].sum()), int((dec["beyond"] & ~dec["keep"]).sum())
+        out[name] = {
+            "rule": m.rule,
+            "kind": m.kind,
+            "info": m.info,
+            "estimator": m.estimator,
+            "delta": delta[m.kind],
+            "beyond_delta": beyond,
+            "dropped": dropped,
+            "drop_share": dropped / beyond if beyond else None,
+        } | {
+            tname: mask_view(dec["beyond"], dec["keep"], res.truth[m.kind][tname], res.sampled, res.row)
+            for tname in MASK_TRUTHS
+        }
+    return out
+
+
 def _pct(cell: dict) -> str:
     if not cell["n"]:
         return "—"
@@ -115,6 +138,35 @@ def _pct(cell: dict) -> str:
 
 def _cell_md(cell: dict) -> str:
     return "—" if not cell["n"] else f"{_pct(cell)} n={cell['n']}"
+
+
+def _share_md(cell: dict) -> str:
+    return "—" if not cell["n"] else f"{_pct(cell)} {cell['k']}/{cell['n']}"
+
+
+def _fixed(x: float | None, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+#: Mask-view columns: (truth, rate, header).
+MASK_COLUMNS = (
+    ("own_sgd", "unsafe_keep", "unsafe keep, own step"),
+    ("own_sgd", "wasted_drop", "wasted drop, own step"),
+    ("own_adam", "unsafe_keep", "unsafe keep, own Adam"),
+    ("own_adam", "wasted_drop", "wasted drop, own Adam"),
+)
+
+
+def mask_rows(summary: dict, kind: str) -> list[tuple[str, str, str, list[dict]]]:
+    """(method, "beyond δ / dropped" of all tokens, beyond δ with truth in the sample, MASK_COLUMNS cells) per method of ``kind``."""
+    rows = []
+    for name, v in summary["mask_view"].items():
+        if v["kind"] != kind:
+            continue
+        counts = v["own_sgd"]["counts"]
+        acted = f"{v['beyond_delta']} / {v['dropped']}"
+        rows.append((name, acted, str(sum(counts.values())), [v[t][r] for t, r, _ in MASK_COLUMNS]))
+    return rows
 
 
 def verdict(summary: dict) -> list[str]:
@@ -156,13 +208,33 @@ def verdict(summary: dict) -> list[str]:
             f"PDM full on {_pct(step['pdm_full']['all'])} and the ratio sign on {_pct(step['ratio']['all'])} "
             "(this change mixes every token's update, so both signals see only part of it)."
         )
+        lines += _mask_verdict(summary, kind)
+    return lines
+
+
+def _mask_verdict(summary: dict, kind: str) -> list[str]:
+    """One line per rule: each method's unsafe-keep rate (own plain step) among its kept tokens beyond δ."""
+    lines = []
+    for rule, words in (("dppo", "ratio-sign masks"), ("pdm", "predictive masks")):
+        cells = [
+            f"{name} {_pct(v['own_sgd']['unsafe_keep'])} of {v['own_sgd']['unsafe_keep']['n']}"
+            for name, v in summary["mask_view"].items()
+            if v["kind"] == kind and v["rule"] == rule and v["own_sgd"]["unsafe_keep"]["n"]
+        ]
+        if cells:
+            lines.append(
+                f"{kind.upper()}, {words}: unsafe keeps (kept tokens beyond δ whose own plain step raises D): "
+                + "; ".join(cells) + "."
+            )
+        else:
+            lines.append(f"{kind.upper()}, {words}: no kept token beyond δ has autograd truth in this run.")
     return lines
 
 
 def write_report(out_dir: Path, summary: dict, meta: dict) -> Path:
     """analysis.json, report.md and the plots in ``out_dir``; returns the path of report.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "analysis.json").write_text(json.dumps({**meta, **summary}, indent=1, allow_nan=True))
+    (out_dir / "analysis.json").write_text(jsonio.dumps({**meta, **summary}, indent=1))
     md = [f"# Direction-signal analysis: {meta['config']['model']} on {meta['config']['task']}", ""]
     md += ["Command: `" + meta["command"] + "`", "", "## Verdict", ""]
     md += [f"- {line}" for line in summary["verdict"]]
@@ -192,24 +264,47 @@ def write_report(out_dir: Path, summary: dict, meta: dict) -> Path:
             for sname, cells in per_signal.items():
                 md += [f"| {sname} | " + " | ".join(_cell_md(cells["by_pi_a"][lab]) for lab in labels) + " |"]
             md += [""]
+        md += _mask_md(summary, kind)
         md += ["### Top-K estimators against the full one", "", "| estimator | sign match | correlation |", "|---|---|---|"]
         for name, t in summary["topk_tracking"][kind].items():
-            md += [f"| {name} | {100 * t['sign_match']:.1f}% | {t['corr']:.3f} |"]
+            md += [f"| {name} | {100 * t['sign_match']:.1f}% | {_fixed(t['corr'], '.3f')} |"]
         md += [""]
     md += ["## Timing", "", *(f"- {k}: {v:.1f}" for k, v in meta["timing"].items()), ""]
-    md += ["## Config", "", "```json", json.dumps(meta["config"], indent=1), "```", ""]
+    md += ["## Config", "", "```json", jsonio.dumps(meta["config"], indent=1), "```", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(md))
     _plots(out_dir, summary)
     return path
 
 
+def _mask_md(summary: dict, kind: str) -> list[str]:
+    """The mask-view table of one divergence (docs/analysis.md, "Unsafe keeps and wasted drops")."""
+    md = [
+        "### Mask view: unsafe keeps and wasted drops beyond δ",
+        "",
+        "Unsafe keep: share of the kept tokens beyond δ whose own update raises D; wasted drop: share of the "
+        "dropped tokens whose own update would have lowered D. Uniform sample; % [95% Wilson interval on the "
+        "effective number of tokens, clustered by response] k/n.",
+        "",
+        "| method | D > δ / dropped (all tokens) | beyond δ with truth | " + " | ".join(h for *_, h in MASK_COLUMNS) + " |",
+        "|---" * (len(MASK_COLUMNS) + 3) + "|",
+    ]
+    for name, acted, sampled, cells in mask_rows(summary, kind):
+        md += [f"| {name} | {acted} | {sampled} | " + " | ".join(_share_md(c) for c in cells) + " |"]
+    return md + [""]
+
+
+def _rate(x: float | None) -> float:
+    """A rate for plotting: NaN (an empty bar) where undefined."""
+    return math.nan if x is None else x
+
+
 def _error_bars(cells: list[dict]) -> list[list[float]]:
     """[[below], [above]] of each cell's interval around its rate (0 for empty cells)."""
-    def gap(x: float) -> float:
-        return 0.0 if math.isnan(x) else max(0.0, x)
+    def gap(rate: float | None, bound: float | None, sign: int) -> float:
+        return 0.0 if rate is None or bound is None else max(0.0, sign * (rate - bound))
 
-    return [[gap(c["rate"] - c["lo"]) for c in cells], [gap(c["hi"] - c["rate"]) for c in cells]]
+    return [[gap(c["rate"], c["lo"], 1) for c in cells], [gap(c["rate"], c["hi"], -1) for c in cells]]
 
 
 def _plots(out_dir: Path, summary: dict) -> None:
@@ -228,7 +323,7 @@ def _plots(out_dir: Path, summary: dict) -> None:
         for j, subset in enumerate(SUBSETS):
             cells = [per_signal[s][subset] for s in names]
             xs = [i + (j - 1) * width for i in range(len(names))]
-            rate = [c["rate"] for c in cells]
+            rate = [_rate(c["rate"]) for c in cells]
             ax.bar(xs, rate, width, yerr=_error_bars(cells), capsize=2, label=SUBSETS[subset])
         ax.axhline(0.5, color="grey", lw=0.8, ls="--")
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
@@ -253,7 +348,7 @@ def _plots(out_dir: Path, summary: dict) -> None:
                 cells = [per_signal[sname]["by_pi_a"][lab] for lab in labels]
                 ax.errorbar(
                     range(len(labels)),
-                    [c["rate"] for c in cells],
+                    [_rate(c["rate"]) for c in cells],
                     yerr=_error_bars(cells),
                     marker="o",
                     capsize=3,
@@ -272,10 +367,10 @@ def _plots(out_dir: Path, summary: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for kind in kinds:
         tracking = summary["topk_tracking"][kind]
-        for est in ("bucket", "tail"):
+        for est in TOPK_ESTIMATORS:
             ks = sorted(int(n.split("@")[1]) for n in tracking if n.startswith(est + "@"))
             axes[0].plot(ks, [tracking[f"{est}@{k}"]["sign_match"] for k in ks], marker="o", label=f"{kind} {est}")
-            axes[1].plot(ks, [tracking[f"{est}@{k}"]["corr"] for k in ks], marker="o", label=f"{kind} {est}")
+            axes[1].plot(ks, [_rate(tracking[f"{est}@{k}"]["corr"]) for k in ks], marker="o", label=f"{kind} {est}")
     for ax, title in zip(axes, ("sign(G_K) = sign(G_full)", "correlation of G_K with G_full")):
         ax.set_xscale("log")
         ax.set_xlabel("K")
@@ -283,4 +378,25 @@ def _plots(out_dir: Path, summary: dict) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "topk.png", dpi=110)
+    plt.close(fig)
+
+    # 4. The mask view: unsafe keeps and wasted drops per direction method (own plain and Adam step).
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(12, 3.8 * len(kinds)), squeeze=False)
+    for ax, kind in zip(axes[:, 0], kinds):
+        rows = mask_rows(summary, kind)
+        width = 0.8 / len(MASK_COLUMNS)
+        for j, (_, _, header) in enumerate(MASK_COLUMNS):
+            cells = [r[3][j] for r in rows]
+            xs = [i + (j - (len(MASK_COLUMNS) - 1) / 2) * width for i in range(len(rows))]
+            ax.bar(xs, [_rate(c["rate"]) for c in cells], width, yerr=_error_bars(cells), capsize=2, label=header)
+        for rule, (rate, words) in PAPER_UNSAFE_KEEP.items():
+            ax.axhline(rate, color="grey", lw=0.8, ls="--" if rule == "dppo" else ":", label=f"paper's unsafe keep, {words}")
+        ax.set_xticks(range(len(rows)), [r[0] for r in rows], rotation=20, ha="right")
+        top = max([0.5] + [c["hi"] for r in rows for c in r[3] if c["hi"] is not None])
+        ax.set_ylim(0, min(1.0, top + 0.05))
+        ax.set_ylabel("share of kept / dropped tokens beyond δ")
+        ax.set_title(f"{kind.upper()}: unsafe keeps (kept, D rises) and wasted drops (dropped, D falls), 95% CI")
+        ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out_dir / "masks.png", dpi=110)
     plt.close(fig)

@@ -1,0 +1,69 @@
+"""The token-level view of each mask method: unsafe keeps and wasted drops among the tokens beyond δ.
+
+A direction mask (method.md: ``dppo_*``, ``pdm_*``) looks only at tokens whose divergence estimate is
+beyond δ, and drops those whose update it predicts to raise D. Against a ground truth (the signed
+first-order change of the token's own D under its own update), each such token is one of:
+- kept, truth > 0: an **unsafe keep** (the mask lets through an update that pushes D further out);
+- dropped, truth < 0: a **wasted drop** (the mask throws away an update that would have pulled D back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from pdmask import METHODS, MaskMethod, divergence, trust_region_mask
+from pdmask.analysis.intervals import clustered_rate
+from pdmask.methods import beyond_threshold
+from pdmask.stats import PolicyStats
+
+#: The rules that drop tokens beyond δ by a direction test (method.md's mask rules).
+DIRECTION_RULES = ("dppo", "pdm")
+
+
+def direction_methods() -> list[MaskMethod]:
+    """Every registered method whose rule is a direction test beyond δ, in registry order."""
+    return [m for m in METHODS.values() if m.rule in DIRECTION_RULES]
+
+
+def mask_decisions(stats: PolicyStats, advantages: Tensor, delta: Mapping[str, float]) -> dict[str, dict[str, Tensor]]:
+    """Per direction method: "beyond" (its own D estimate > δ, never where A = 0) and "keep" (its mask), bool [...].
+
+    ``stats`` must carry every method's information (top-K and full μ); ``delta`` maps kind -> δ (both sides).
+    """
+    out = {}
+    for m in direction_methods():
+        assert m.kind is not None and m.info is not None
+        d = delta[m.kind]
+        beyond = beyond_threshold(divergence(stats, m.kind, m.info), advantages, d, d)
+        keep = trust_region_mask(m, stats, advantages, delta_low=d, delta_high=d)
+        out[m.name] = {"beyond": beyond, "keep": keep}
+    return out
+
+
+def mask_view(beyond: Tensor, keep: Tensor, truth: Tensor, population: Tensor, clusters: Tensor) -> dict:
+    """Unsafe keeps and wasted drops of one mask against one truth, over ``population`` beyond δ.
+
+    Args:
+        beyond, keep: the method's decisions [n] (bool); truth: signed change of D [n] (NaN = not measured);
+        population: tokens to count [n] (bool); clusters: response id of each token [n] (for the interval).
+    Returns:
+        "unsafe_keep": share of kept beyond-δ tokens with truth > 0; "wasted_drop": share of dropped ones
+        with truth < 0 (each with a clustered 95% Wilson interval); "counts": the 2×2 table.
+        Tokens whose truth is unmeasured or exactly 0 are left out.
+    """
+    valid = population & beyond & torch.isfinite(truth) & (truth != 0)
+    raises = truth > 0
+    kept, dropped = valid & keep, valid & ~keep
+    return {
+        "unsafe_keep": clustered_rate(raises[kept], clusters[kept]),
+        "wasted_drop": clustered_rate(~raises[dropped], clusters[dropped]),
+        "counts": {
+            "kept_raises": int((kept & raises).sum()),
+            "kept_lowers": int((kept & ~raises).sum()),
+            "dropped_raises": int((dropped & raises).sum()),
+            "dropped_lowers": int((dropped & ~raises).sum()),
+        },
+    }
