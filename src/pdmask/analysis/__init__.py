@@ -1,10 +1,12 @@
 """The direction-signal analysis behind ``pdmask analyze`` (docs/analysis.md).
 
 Ground truth by autograd (``truth``), the experimental kernel-aware signal G_W (``kernel``), one run
-of the experiment (``experiment``) and its agreement tables, verdict and plots (``report``).
+of the experiment (``experiment``), each direction mask's unsafe keeps and wasted drops (``maskview``,
+with the intervals of ``intervals``) and the agreement tables, verdict and plots (``report``).
 """
 
 from pdmask.analysis.kernel import kernel_change
+from pdmask.analysis.maskview import mask_decisions, mask_view
 from pdmask.analysis.truth import (
     adam_preconditioner,
     full_divergence,
@@ -12,4 +14,12 @@ from pdmask.analysis.truth import (
     own_change,
 )
 
-__all__ = ["adam_preconditioner", "full_divergence", "head_change", "kernel_change", "own_change"]
+__all__ = [
+    "adam_preconditioner",
+    "full_divergence",
+    "head_change",
+    "kernel_change",
+    "mask_decisions",
+    "mask_view",
+    "own_change",
+]
