@@ -8,19 +8,19 @@ import pytest
 from conftest import TINY
 
 from pdmask.cli import main
-from pdmask.lab.compare import (
-    compare_methods,
-    estimate_seconds,
-    mean_ci,
-    run_sweep,
-    write_report,
-)
+from pdmask.lab.intervals import compare_methods, mean_ci
+from pdmask.lab.report import write_report
+from pdmask.lab.sweep import estimate_seconds, run_sweep
 from pdmask.lab.config import Sweep
 
 
 @pytest.fixture(autouse=True)
 def _cache(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("PDMASK_CACHE", str(tmp_path_factory.getbasetemp() / "pdmask-cache"))
+
+
+def _reject(literal):
+    raise ValueError(f"non-standard JSON literal {literal}")
 
 
 def test_mean_ci():
@@ -54,8 +54,17 @@ def test_sweep_report_and_reuse(tmp_path):
     for rel in setting["plots"]:
         assert (tmp_path / rel).stat().st_size > 1000
     md = (tmp_path / "report.md").read_text()
-    assert "| method |" in md and "Summary" in md
+    assert "| method |" in md and "Summary" in md and "Did the trust region matter?" in md
+    assert "tail masks differ" in md
+    assert setting["questions"]["trust_region"]["best_masked"] == "pdm_tail_tv"
     assert json.loads((tmp_path / "report.json").read_text())["run"]["runs_analysed"] == 4
+    # Every JSON file the lab writes is strict JSON (no NaN/Infinity literals), even with undefined numbers.
+    write_report(sweep, tmp_path, "test", info | {"workers": 1, "wall_time_s": float("nan")})
+    files = [*tmp_path.rglob("*.json"), *tmp_path.rglob("*.jsonl")]
+    assert {f.name for f in files} >= {"report.json", "config.json", "metrics.jsonl"}
+    for f in files:
+        for line in f.read_text().splitlines() if f.suffix == ".jsonl" else [f.read_text()]:
+            json.loads(line, parse_constant=_reject)
     again = run_sweep(sweep, tmp_path, workers=1, progress=False)
     assert again["reused"] == 4
     assert 0 < estimate_seconds(sweep, workers=2) < 60

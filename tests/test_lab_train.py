@@ -12,6 +12,7 @@ import torch
 from conftest import TINY
 
 from pdmask import METHODS
+from pdmask.lab.engine import RolloutEngine
 from pdmask.lab.train import Run, grpo_advantages, read_metrics, train
 
 
@@ -64,9 +65,9 @@ def test_same_seed_same_metrics(tmp_path):
     assert list((tmp_path / "a" / "tb").iterdir())
 
 
-@pytest.mark.parametrize("die_at", [1, 3])
-def test_resume_after_kill_between_metrics_and_checkpoint(tmp_path, monkeypatch, die_at):
-    cfg = TINY.replace(steps=4, tensorboard=True)
+@pytest.mark.parametrize(("die_at", "lag"), [(1, 0), (3, 0), (3, 2)])
+def test_resume_after_kill_between_metrics_and_checkpoint(tmp_path, monkeypatch, die_at, lag):
+    cfg = TINY.replace(steps=4, tensorboard=True, rollout_lag=lag)
     reference = train(cfg, tmp_path / "ref")
     original = Run.save_checkpoint
     calls = {"n": 0}
@@ -134,3 +135,42 @@ def test_step_metrics_pool_shares_over_updates():
     out = _mean_metrics(rows)
     assert out["mask/direction_disagree_frac"] == pytest.approx(0.1)
     assert out["div/max"] == 0.5 and out["grad/norm"] == 2.0 and "count/beyond_threshold" not in out
+
+
+def test_rollout_lag_samples_with_the_weights_of_lag_steps_ago(tmp_path, monkeypatch):
+    lag, steps = 2, 5
+    starts, synced = [], []
+    original_step, original_sync = Run.train_step, RolloutEngine.sync
+
+    def step(self):
+        starts.append({k: v.clone() for k, v in self.policy.state_dict().items()})
+        return original_step(self)
+
+    def sync(self, weights):
+        synced.append({k: v.clone() for k, v in (weights if isinstance(weights, dict) else weights.state_dict()).items()})
+        original_sync(self, weights)
+
+    monkeypatch.setattr(Run, "train_step", step)
+    monkeypatch.setattr(RolloutEngine, "sync", sync)
+    train(TINY.replace(steps=steps, rollout_lag=lag), tmp_path / "run")
+    assert len(synced) == len(starts) == steps
+    for t in range(steps):
+        want = starts[max(0, t - lag)]
+        assert all(torch.equal(synced[t][k], want[k]) for k in want), t
+    assert not all(torch.equal(synced[-1][k], starts[-1][k]) for k in starts[-1])  # really stale
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert len(ckpt["lagged"]) == lag  # the weights later steps will sample with
+
+
+def test_rollout_lag_adds_staleness_to_the_mismatch(tmp_path):
+    rows = {lag: train(TINY.replace(steps=3, lr=3e-3, rollout_lag=lag), tmp_path / f"lag{lag}") for lag in (0, 1)}
+    assert rows[0][1]["mismatch/tv_mean"] == rows[1][1]["mismatch/tv_mean"]  # step 1 samples the same weights
+    assert rows[1][-1]["mismatch/tv_mean"] > 2 * rows[0][-1]["mismatch/tv_mean"]
+
+
+def test_tail_metrics_on_a_flat_policy(tmp_path):
+    """A policy barely past its init keeps most of its mass off the top-K: the estimators' masks can differ."""
+    row = train(TINY.replace(steps=1, sft_steps=0, top_k=2, delta_tv=0.01, lr=3e-3), tmp_path / "run")[-1]
+    assert row["tail/pi_rest_mean"] > 0.5 and row["tail/mu_rest_mean"] > 0.5
+    for key in ("tail/masks_differ_frac", "tail/bucket_vs_tail_frac"):
+        assert 0 <= row[key] <= 1

@@ -16,14 +16,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
         default="default",
-        help="smoke (<1 min), default (<10 min on 2 cores) or paper (about a day on 2 cores; rerun to resume)",
+        help="smoke (<1 min), default (<10 min on 2 cores), sizes (about an hour on 2 cores) or paper (about a day; rerun to resume)",
     )
     parser.add_argument("--out", default="runs/compare", help="output folder (report.md, report.json, plots/, runs/)")
     parser.add_argument("--methods", help="comma-separated methods (overrides the preset)")
     parser.add_argument("--seeds", type=int, help="number of seeds 0..N-1 (overrides the preset)")
     parser.add_argument("--models", help="comma-separated model sizes (overrides the preset)")
     parser.add_argument(
-        "--rollout-dtypes", help="comma-separated rollout precisions fp32,bf16,fp16 (overrides the preset)"
+        "--rollout-dtypes", help="comma-separated rollout precisions fp32,bf16,fp16,fp8 (overrides the preset)"
     )
     add_set_option(parser, "override a shared config field (repeatable)")
     parser.add_argument(
@@ -62,12 +62,17 @@ def build_sweep(args: argparse.Namespace):
         for key in overrides.keys() & swept.keys():
             raise ConfigError(f"--set {key}=...: {key} is swept by the preset; use {swept[key]} instead")
         changes["base"] = config_from(overrides, base=sweep.base)
+        # --set wins over the preset's per-model settings too.
+        changes["model_overrides"] = {
+            m: {k: v for k, v in o.items() if k not in overrides} for m, o in sweep.model_overrides.items()
+        }
     return replace(sweep, **changes).validate()
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdmask.lab.compare import estimate_seconds, run_sweep, write_report
     from pdmask.lab.config import ConfigError
+    from pdmask.lab.report import write_report
+    from pdmask.lab.sweep import estimate_seconds, run_sweep
 
     try:
         sweep = build_sweep(args)

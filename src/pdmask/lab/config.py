@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ class Config:
     method: str = "pdm_tail_tv"  # any key of pdmask.METHODS
     seed: int = 0
     model: str = "tiny"  # tiny | small | medium | smollm2-135m | hf:PATH
-    rollout_dtype: str = "bf16"  # the rollout engine's precision: fp32 | bf16 | fp16 (trainer: fp32)
+    rollout_dtype: str = "bf16"  # the rollout engine's precision: fp32 | bf16 | fp16 | fp8 (trainer: fp32)
     # Task.
     task: str = "sort"  # copy | reverse | sort (TinyGPT) | arithmetic (pretrained chat models)
     task_length: int = 6
@@ -51,6 +52,10 @@ class Config:
     group_size: int = 8
     epochs: int = 2  # passes over each rollout batch
     minibatches: int = 8  # optimizer steps per pass: staleness = epochs * minibatches - 1 steps at most
+    # Asynchronous RL: step t's rollouts come from the weights the trainer had at the start of step
+    # t - rollout_lag (the SFT weights while t < rollout_lag), i.e. rollout_lag rollout batches and
+    # rollout_lag * epochs * minibatches optimizer steps behind the first update of step t.
+    rollout_lag: int = 0
     lr: float = 1e-4
     grad_clip: float = 1.0
     agg: str = "token-mean"
@@ -185,6 +190,8 @@ class Config:
                 bad(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.sft_steps < 0:
             bad(f"sft_steps: must be >= 0, got {self.sft_steps}")
+        if self.rollout_lag < 0:
+            bad(f"rollout_lag: must be >= 0 (rollout batches the engine's weights trail the trainer), got {self.rollout_lag}")
         if self.batch_size % self.minibatches:
             bad(
                 f"minibatches: {self.minibatches} does not divide the batch of {self.prompts_per_step} x {self.group_size} = {self.batch_size} sequences"
@@ -283,10 +290,13 @@ class Sweep:
     models: tuple[str, ...]
     rollout_dtypes: tuple[str, ...]
     description: str = ""
+    # Per-model changes to the base (e.g. fewer steps for a larger model): shared by every run of that
+    # model, so the methods compared within a setting still differ only in the mask.
+    model_overrides: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def configs(self) -> list[Config]:
         return [
-            self.base.replace(method=m, seed=s, model=size, rollout_dtype=dt)
+            self.base.replace(**self.model_overrides.get(size, {}), method=m, seed=s, model=size, rollout_dtype=dt)
             for size in self.models
             for dt in self.rollout_dtypes
             for s in self.seeds

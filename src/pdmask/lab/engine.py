@@ -2,9 +2,13 @@
 
 It returns, per response position, the sampled token's log-prob log μ(a) and the top-K ids and
 log-probs of μ (K configurable), all computed in float32 from the engine's logits, which come out of
-a forward pass in the engine's precision (fp32, bf16 or fp16). The trainer keeps float32 weights, so
-the two really disagree, as vLLM and FSDP do. ``sync`` copies the trainer's weights (cast) after
-each optimizer step batch.
+a forward pass in the engine's precision (fp32, bf16, fp16 or fp8). The trainer keeps float32 weights,
+so the two really disagree, as vLLM and FSDP do. ``sync`` copies the trainer's weights (cast, and
+quantized for fp8) before each rollout batch.
+
+``fp8`` simulates an FP8 rollout engine (vLLM ``quantization="fp8"``): every ``nn.Linear`` except the
+output embedding runs with E4M3 weights (one scale per output channel) and E4M3 activations (one scale
+per token), the product accumulated in float32 and returned in bf16; everything else runs in bf16.
 
 ``sample(policy, prompts, ...)`` is the same sampler without a copy (for evaluation, greedy with
 temperature 0).
@@ -21,7 +25,14 @@ from torch import Tensor, nn
 
 from pdmask import RolloutLogprobs
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Rollout precision -> the dtype the engine's non-quantized parts run in (fp8: its Linear layers are E4M3).
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def dtype_supported(name: str) -> bool:
@@ -31,9 +42,56 @@ def dtype_supported(name: str) -> bool:
         x = torch.randn(2, 3, 8).to(dt)
         y = torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], is_causal=True)
         torch.nn.functional.layer_norm(y, (8,)) @ torch.randn(8, 4).to(dt)
+        if name == "fp8":
+            fake_quant_e4m3(x.float(), dim=-1)
         return True
-    except RuntimeError:
+    except (RuntimeError, AttributeError):  # AttributeError: a torch without float8_e4m3fn
         return False
+
+
+def fake_quant_e4m3(x: Tensor, dim: int) -> Tensor:
+    """x (float32) rounded to E4M3 with one scale per slice along ``dim`` (s = amax|x| / 448), dequantized.
+
+    The round trip x -> fp8(x / s) * s is what an FP8 GEMM sees; the result is float32.
+    """
+    scale = x.abs().amax(dim=dim, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+    q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.float() * scale
+
+
+class FP8Linear(nn.Module):
+    """An ``nn.Linear`` as an FP8 engine runs it: E4M3 weights per output channel, E4M3 activations per token.
+
+    ``weight`` holds the dequantized E4M3 values in float32 (refreshed by ``load``); the product is
+    accumulated in float32 and returned in the input's dtype, like an FP8 GEMM with a bf16 output.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty_like(linear.weight, dtype=torch.float32), requires_grad=False)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+        self.load(linear.weight)
+
+    @torch.no_grad()
+    def load(self, weight: Tensor) -> None:
+        """Quantize ``weight`` [out, in] per output channel into ``self.weight``."""
+        self.weight.copy_(fake_quant_e4m3(weight.detach().float(), dim=1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = nn.functional.linear(fake_quant_e4m3(x.float(), dim=-1), self.weight, self.bias)
+        return y.to(x.dtype)
+
+
+def _to_fp8(model: nn.Module) -> None:
+    """Replace every nn.Linear but the output embedding by an FP8Linear (vLLM keeps lm_head unquantized)."""
+    head = model.lm_head if hasattr(model, "lm_head") else None
+    head = head.weight if isinstance(head, nn.Module) else None
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, nn.Linear) and child.weight is not head:
+                setattr(module, name, FP8Linear(child))
 
 
 @dataclass
@@ -139,7 +197,7 @@ def sample(
 
 
 class RolloutEngine:
-    """A copy of the policy in ``dtype`` ("fp32" | "bf16" | "fp16") that generates groups of responses."""
+    """A copy of the policy in ``dtype`` ("fp32" | "bf16" | "fp16" | "fp8") that generates groups of responses."""
 
     def __init__(
         self, policy: nn.Module, dtype: str = "bf16", top_k_logprobs: int = 20, return_full: bool = False
@@ -150,12 +208,19 @@ class RolloutEngine:
             raise ValueError(f"top_k: must be in [1, vocab size {policy.vocab_size}], got {top_k_logprobs}")
         self.dtype, self.top_k_logprobs, self.return_full = dtype, top_k_logprobs, return_full
         self.model = copy.deepcopy(policy).to(DTYPES[dtype]).eval().requires_grad_(False)
+        if dtype == "fp8":
+            _to_fp8(self.model)
+            self.sync(policy)
 
     @torch.no_grad()
-    def sync(self, policy: nn.Module) -> None:
-        """Load the trainer's weights (cast to the engine's precision), like a vLLM weight update."""
-        for dst, src in zip(self.model.state_dict().values(), policy.state_dict().values(), strict=True):
+    def sync(self, policy: nn.Module | dict[str, Tensor]) -> None:
+        """Load the trainer's weights (a module or its state dict), cast or quantized, like a vLLM weight update."""
+        source = policy if isinstance(policy, dict) else policy.state_dict()
+        for dst, src in zip(self.model.state_dict().values(), source.values(), strict=True):
             dst.copy_(src)
+        for m in self.model.modules():
+            if isinstance(m, FP8Linear):  # the copy above loaded raw float32 weights: quantize them
+                m.load(m.weight)
 
     def generate(
         self,

@@ -2,8 +2,10 @@
 
 Per step: sync the engine from the trainer, sample ``prompts_per_step`` x ``group_size`` responses,
 score them, normalise rewards within each group, and take ``epochs x minibatches`` Adam steps on the
-masked DPPO-form loss (the later minibatches are stale: the staleness knob). μ is the engine's
-log-probs (top-K, like vLLM ``logprobs=K``) or, with ``mu="recompute"``, the trainer's π_old.
+masked DPPO-form loss (the later minibatches are stale: the staleness knob). With ``rollout_lag = L``
+the engine is synced instead from the weights the trainer had at the start of step t − L (as in
+asynchronous RL; the SFT weights while t < L); those L snapshots are part of the checkpoint. μ is the
+engine's log-probs (top-K, like vLLM ``logprobs=K``) or, with ``mu="recompute"``, the trainer's π_old.
 
 A run directory holds ``config.json`` (resolved), ``metrics.jsonl`` (one row per step), TensorBoard
 events and ``checkpoint.pt`` (written atomically after every ``checkpoint_every`` steps, after that
@@ -26,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 import pdmask
-from pdmask import METHODS, RolloutLogprobs
+from pdmask import METHODS, RolloutLogprobs, jsonio
 from pdmask.lab.config import Config, ConfigError
 from pdmask.lab.engine import Rollout, RolloutEngine, sample
 from pdmask.lab.models import build_policy, is_pretrained
@@ -34,6 +36,17 @@ from pdmask.lab.sft import warm_start
 from pdmask.lab.tasks import Task, build_task
 
 FULL_LOGP_BUDGET = 2**25  # floats: above this the engine returns top-K only and mismatch is a top-K estimate
+
+#: The top-K predictive estimators whose masks ``tail_metrics`` compares (those the registry has).
+TAIL_ESTIMATORS = ("bucket", "tail", "uniform")
+#: Shares logged by ``tail_metrics``, pooled over a step's updates by their token counts.
+TAIL_DENOMINATORS = {
+    "tail/masks_differ_frac": "count/tokens",
+    "tail/bucket_vs_tail_frac": "count/tokens",
+    "tail/uniform_vs_tail_frac": "count/tokens",
+    "tail/pi_rest_mean": "count/tokens",
+    "tail/mu_rest_mean": "count/tokens",
+}
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -83,6 +96,40 @@ def _recomputed_mu(logp_old: Tensor, tokens: Tensor, k: int) -> RolloutLogprobs:
     return RolloutLogprobs(logp_old.gather(-1, tokens[..., None]).squeeze(-1), topk_ids, topk_logp, full_logp=logp_old)
 
 
+@torch.no_grad()
+def tail_metrics(
+    cfg: Config, logits: Tensor, tokens: Tensor, mu: RolloutLogprobs, advantages: Tensor, response_mask: Tensor
+) -> dict[str, float]:
+    """How much the top-K predictive estimators' masks differ on one update, and the mass off S = TopK(μ) ∪ {a}.
+
+    The masks are those of pdm_{bucket,tail,uniform}_{kind} (kind: the method's, TV for ppo_clip and
+    pg_is) with the run's thresholds, on the same logits and μ; they can only differ where π or μ
+    keeps mass off S. ``tail/masks_differ_frac``: share of response tokens on which they do not all
+    agree; ``tail/pi_rest_mean`` / ``tail/mu_rest_mean``: mean π_R and μ_R.
+    """
+    kind = METHODS[cfg.method].kind or "tv"
+    names = {e: f"pdm_{e}_{kind}" for e in TAIL_ESTIMATORS if f"pdm_{e}_{kind}" in METHODS}
+    topk = RolloutLogprobs(mu.logp, mu.topk_ids, mu.topk_logp)
+    stats = pdmask.policy_stats(logits.detach(), tokens, topk, need_sq_norm=True, response_mask=response_mask)
+    keep = {
+        e: pdmask.trust_region_mask(n, stats, advantages, response_mask, **cfg.replace(method=n).thresholds())
+        for e, n in names.items()
+    }
+    valid = response_mask.bool()
+    n = max(int(valid.sum()), 1)
+    share = lambda x: (x & valid).sum().item() / n
+    first = next(iter(keep.values()))
+    out = {
+        "tail/masks_differ_frac": share(torch.stack([k != first for k in keep.values()]).any(0)),
+        "tail/pi_rest_mean": stats.rest_mass[valid].sum().item() / n,
+        "tail/mu_rest_mean": (1 - stats.set_mu.sum(-1)).clamp(min=0)[valid].sum().item() / n,
+    }
+    for e in ("bucket", "uniform"):
+        if e in keep and "tail" in keep:
+            out[f"tail/{e}_vs_tail_frac"] = share(keep[e] != keep["tail"])
+    return out
+
+
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     """Average per-update metrics over a step's updates (maxima stay maxima)."""
     out = {}
@@ -90,7 +137,7 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
         if key.startswith("count/"):
             continue
         values = [r[key] for r in rows]
-        weight_key = pdmask.FRACTION_DENOMINATORS.get(key)
+        weight_key = (pdmask.FRACTION_DENOMINATORS | TAIL_DENOMINATORS).get(key)
         if key.endswith("/max"):
             out[key] = max(values)
         elif weight_key is not None:  # a share: pooled over the updates' tokens, not a mean of shares
@@ -119,19 +166,22 @@ class Run:
             raise ConfigError(f"top_k: K = {cfg.top_k} is larger than the vocabulary ({V})")
         self.method = METHODS[cfg.method]
         self.dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+        _atomic_write(self.dir / "config.json", jsonio.dumps(cfg.to_dict(), indent=2))
         if not is_pretrained(cfg.model) and cfg.sft_steps > 0 and not self.checkpoint_path.exists():
             warm_start(cfg, self.policy, self.task)
         return_full = self.method.needs == "full" or V * cfg.batch_size * self.task.max_new_tokens <= FULL_LOGP_BUDGET
         self.engine = RolloutEngine(self.policy, cfg.rollout_dtype, cfg.top_k, return_full=return_full)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.lr)
         self.step = 0
+        # rollout_lag: the trainer's weights at the start of the last steps, oldest first (at most L).
+        self.lagged: list[dict[str, Tensor]] = []
         restored = resume and self.checkpoint_path.exists()
         if restored:
             ckpt = torch.load(self.checkpoint_path, weights_only=True)
             self.policy.load_state_dict(ckpt["model"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
             self.step = int(ckpt["step"])
+            self.lagged = ckpt.get("lagged", [])
         # Rows up to the checkpoint are kept; later ones (and all, without a checkpoint) are redone.
         self._truncate_metrics(self.step if restored else -1)
         self.writer = None
@@ -180,7 +230,7 @@ class Run:
 
     def _log(self, row: dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(jsonio.dumps(row) + "\n")
         if self.writer is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
@@ -190,7 +240,13 @@ class Run:
     def save_checkpoint(self) -> None:
         tmp = self.checkpoint_path.with_suffix(".tmp")
         torch.save(
-            {"step": self.step, "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()}, tmp
+            {
+                "step": self.step,
+                "model": self.policy.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "lagged": self.lagged,
+            },
+            tmp,
         )
         os.replace(tmp, self.checkpoint_path)
 
@@ -201,7 +257,7 @@ class Run:
         t0 = time.perf_counter()
         g = step_generator(cfg.seed, self.step)
         problems = task.sample(cfg.prompts_per_step, g)
-        self.engine.sync(self.policy)
+        self.engine.sync(self._rollout_weights())
         ro = self.engine.generate(
             [p.prompt_ids for p in problems],
             cfg.group_size,
@@ -243,16 +299,28 @@ class Run:
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
                 self.optimizer.step()
-                updates.append(m | {"grad/norm": grad_norm.item()})
+                tail = tail_metrics(cfg, logits, mb.tokens, _select(mu, idx), advantages[idx], mb.response_mask)
+                updates.append(m | tail | {"grad/norm": grad_norm.item()})
         metrics |= _mean_metrics(updates)
         metrics["grad/max"] = max(u["grad/norm"] for u in updates)
         metrics["time/rollout"] = t_rollout
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
 
+    def _rollout_weights(self) -> nn.Module | dict[str, Tensor]:
+        """What the engine samples this step with: the trainer now, or its weights rollout_lag steps ago."""
+        lag = self.cfg.rollout_lag
+        if lag == 0:
+            return self.policy
+        self.lagged.append({k: v.detach().clone() for k, v in self.policy.state_dict().items()})
+        weights = self.lagged[0]  # the start of step max(0, step - lag)
+        if len(self.lagged) > lag:  # no later step needs it
+            self.lagged.pop(0)
+        return weights
+
     @torch.no_grad()
     def _trainer_view(self, ro: Rollout) -> tuple[RolloutLogprobs, dict[str, float]]:
-        """The trainer's π at the engine's weights: mismatch TV, entropy, and μ for the loss."""
+        """The trainer's π now against the engine's μ (same weights unless rollout_lag > 0): TV, entropy, μ for the loss."""
         logits = ro.response_logits(self.policy(ro.input_ids, ro.attention_mask)).float() / self.cfg.temperature
         logp = torch.log_softmax(logits, dim=-1)  # [N, R, V]
         mask = ro.response_mask

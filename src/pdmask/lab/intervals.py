@@ -1,0 +1,78 @@
+"""Statistics over seeds for the lab's reports: t-based 95% intervals and paired comparisons.
+
+Each run gives one number per metric; methods are compared over seeds with a t-based 95% interval,
+and two methods with a paired interval of their per-seed differences (every method sees the same
+seeds and data). No scipy: the t quantiles are tabulated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Two-sided 97.5% quantiles of Student's t for df = 1..30; 1.96 beyond.
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Interval:
+    mean: float
+    low: float
+    high: float
+    n: int
+
+    def fmt(self, digits: int = 3, signed: bool = False) -> str:
+        f = f"{{:{'+' if signed else ''}.{digits}f}}".format
+        return f(self.mean) if self.n < 2 else f"{f(self.mean)} [{f(self.low)}, {f(self.high)}]"
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.n >= 2 and (self.low > 0 or self.high < 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean, "low": self.low, "high": self.high, "n": self.n}
+
+
+def mean_ci(values: Sequence[float]) -> Interval:
+    """Mean and t-based 95% confidence interval over seeds (the interval collapses for n = 1)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return Interval(mean, mean, mean, n)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n)
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> Interval:
+    """Interval of the per-seed differences a − b over the seeds both have."""
+    seeds = sorted(set(a) & set(b))
+    return mean_ci([a[s] - b[s] for s in seeds])
+
+
+def compare_methods(per_seed: dict[str, dict[int, float]], higher_is_better: bool = True) -> dict[str, Any]:
+    """Leader by mean, and each method's paired difference to the leader over the common seeds."""
+    means = {m: sum(v.values()) / len(v) for m, v in per_seed.items()}
+    order = sorted(means, key=lambda m: means[m], reverse=higher_is_better)
+    leader = order[0]
+    diffs = {}
+    for m in order[1:]:
+        d = paired(per_seed[m], per_seed[leader])
+        diffs[m] = d.as_dict() | {"clear": d.n >= 2 and (d.high < 0 if higher_is_better else d.low > 0)}
+    return {"order": order, "leader": leader, "diff_to_leader": diffs}
+
+
+def pooled_sd(per_seed: dict[str, dict[int, float]]) -> float:
+    """Seed-to-seed standard deviation pooled over methods."""
+    variances = []
+    for values in map(list, (v.values() for v in per_seed.values())):
+        if len(values) > 1:
+            mean = sum(values) / len(values)
+            variances.append(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return math.sqrt(sum(variances) / len(variances)) if variances else 0.0

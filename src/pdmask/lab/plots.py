@@ -1,0 +1,87 @@
+"""PNG plots of a compare report: learning curves, final accuracy, dropped shares, mismatch and divergence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def write_plots(settings: dict[str, Any], out: Path) -> dict[str, list[str]]:
+    """Four figures per setting under out/plots; returns their paths relative to out, per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir = out / "plots"
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    files: dict[str, list[str]] = {}
+
+    def curves(ax, setting, key, title, smooth: int = 1) -> None:
+        for m, e in setting["methods"].items():
+            c = e["curves"][key]
+            ax.plot(c["step"], _smooth(c["mean"], smooth), label=m, lw=1.4)
+            ax.fill_between(c["step"], _smooth(c["low"], smooth), _smooth(c["high"], smooth), alpha=0.15)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+
+    for name, setting in settings.items():
+        paths = []
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        curves(axes[0], setting, "eval/accuracy", "held-out accuracy (greedy), mean ± 95% CI")
+        curves(axes[1], setting, "reward/mean", "train reward (5-step average), mean ± 95% CI", smooth=5)
+        axes[0].legend(fontsize=8)
+        paths.append(_save(fig, plot_dir / f"learning_curves_{name}.png"))
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ms = list(setting["comparison"]["order"])
+        acc = [setting["methods"][m]["final_accuracy"] for m in ms]
+        ax.bar(
+            range(len(ms)),
+            [a["mean"] for a in acc],
+            yerr=[[a["mean"] - a["low"] for a in acc], [a["high"] - a["mean"] for a in acc]],
+            capsize=4,
+            color="tab:blue",
+            alpha=0.7,
+        )
+        for i, m in enumerate(ms):
+            ax.scatter(
+                [i] * len(setting["methods"][m]["per_seed"]["final_accuracy"]),
+                list(setting["methods"][m]["per_seed"]["final_accuracy"].values()),
+                color="k",
+                s=10,
+                zorder=3,
+            )
+        ax.set_xticks(range(len(ms)), ms, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"final held-out accuracy, {name} (bars: 95% CI, dots: seeds)", fontsize=10)
+        paths.append(_save(fig, plot_dir / f"final_accuracy_{name}.png"))
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        curves(axes[0], setting, "mask/dropped_frac_pos", "dropped fraction, A > 0 (5-step average)", smooth=5)
+        curves(axes[1], setting, "mask/dropped_frac_neg", "dropped fraction, A < 0 (5-step average)", smooth=5)
+        axes[0].legend(fontsize=8)
+        paths.append(_save(fig, plot_dir / f"dropped_{name}.png"))
+
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+        curves(axes[0], setting, "mismatch/tv_mean", "mismatch: TV(trainer now, rollout engine)", smooth=5)
+        curves(axes[1], setting, "div/mean", "method's divergence D(π, μ) during updates", smooth=5)
+        curves(axes[2], setting, "tail/masks_differ_frac", "share of tokens: bucket/tail/uniform masks differ", smooth=5)
+        axes[0].legend(fontsize=8)
+        paths.append(_save(fig, plot_dir / f"mismatch_{name}.png"))
+        files[name] = [str(p.relative_to(out)) for p in paths]
+    return files
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (shorter at the start), same length as values."""
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

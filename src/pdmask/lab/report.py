@@ -1,0 +1,148 @@
+"""The compare report: ``report.md`` (plain words, tables, plots) and ``report.json`` (every number, per seed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pdmask import jsonio
+from pdmask.lab.config import Sweep
+from pdmask.lab.intervals import Interval
+from pdmask.lab.plots import write_plots
+from pdmask.lab.summary import analyse
+
+
+def summary_table(setting: dict[str, Any]) -> str:
+    """Markdown table, methods in order of final held-out accuracy."""
+    head = (
+        "| method | final held-out acc [95% CI] | mean held-out acc | final train reward | dropped A>0 / A<0 | "
+        "mismatch TV mean / max / growth | D mean / max | dir. disagree | tail masks differ | Δ acc vs leader [paired 95% CI] |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    comp = setting["comparison"]
+    for m in comp["order"]:
+        e = setting["methods"][m]
+        d = comp["diff_to_leader"].get(m)
+        delta = (
+            "—"
+            if d is None
+            else (f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]" if d["n"] > 1 else f"{d['mean']:+.3f}")
+        )
+        lines.append(
+            f"| {m} | {_fmt(e['final_accuracy'])} | {e['mean_accuracy']['mean']:.3f} | {e['final_train_reward']['mean']:.3f} | "
+            f"{e['dropped_frac_pos']['mean']:.3%} / {e['dropped_frac_neg']['mean']:.3%} | "
+            f"{e['mismatch_tv_mean']['mean']:.4f} / {e['mismatch_tv_max']['mean']:.3f} / {e['mismatch_growth']['mean']:+.4f} | "
+            f"{e['div_mean']['mean']:.4f} / {e['div_max']['mean']:.3f} | "
+            f"{e['direction_disagree_frac']['mean']:.1%} | {e['tail_masks_differ_frac']['mean']:.2%} | {delta} |"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(ci: dict[str, float]) -> str:
+    return Interval(ci["mean"], ci["low"], ci["high"], ci["n"]).fmt()
+
+
+def write_report(sweep: Sweep, out: Path, preset: str, run_info: dict[str, Any]) -> dict[str, Any]:
+    """Analyse the runs in ``out`` and write report.md, report.json and plots; returns the report dict."""
+    settings = analyse(sweep, out)
+    plots = write_plots(settings, out)
+    base = sweep.base.to_dict()
+    for k in ("method", "seed", "model", "rollout_dtype"):
+        base.pop(k)
+    expected = len(sweep.configs())
+    done = sum(len(next(iter(e["per_seed"].values()))) for s in settings.values() for e in s["methods"].values())
+    report = {
+        "preset": preset,
+        "description": sweep.description,
+        "grid": {
+            "methods": list(sweep.methods),
+            "seeds": list(sweep.seeds),
+            "models": list(sweep.models),
+            "rollout_dtypes": list(sweep.rollout_dtypes),
+            "per_model": {m: dict(o) for m, o in sweep.model_overrides.items()},
+        },
+        "shared_config": base,
+        "run": run_info | {"runs_analysed": done, "runs_expected": expected, "cpu_count": os.cpu_count()},
+        "settings": {
+            name: {k: v for k, v in s.items()} | {"plots": plots.get(name, [])} for name, s in settings.items()
+        },
+    }
+    (out / "report.json").write_text(jsonio.dumps(report, indent=1))
+    (out / "report.md").write_text(_markdown(report, settings, plots))
+    return report
+
+
+def _thresholds_words(cfg: dict[str, Any]) -> str:
+    """The thresholds every run used: the config's, or the methods' defaults."""
+    from pdmask import METHODS
+
+    tv, kl, ppo = METHODS["dppo_binary_tv"].defaults, METHODS["dppo_binary_kl"].defaults, METHODS["ppo_clip"].defaults
+    pick = lambda key, default: default if cfg[key] is None else cfg[key]
+    return (
+        f"δ_TV = {pick('delta_tv', tv['delta_high'])}, δ_KL = {pick('delta_kl', kl['delta_high'])}, "
+        f"PPO ε = {pick('eps_low', ppo['eps_low'])}/{pick('eps_high', ppo['eps_high'])}, ratio cap {pick('ratio_cap', ppo['ratio_cap'])}"
+    )
+
+
+READING_GUIDE = """## How to read this
+
+- *final held-out acc*: exact-match accuracy of greedy decoding on the fixed held-out prompts after the last step;
+  *mean held-out acc*: its average over the evaluation points (a learning-speed measure).
+- Intervals are t-based 95% confidence intervals over seeds; *Δ vs leader* pairs each method with the leader seed by
+  seed (same data and rollouts up to the first mask decision that differs). An interval that includes 0 means the
+  difference is within the seed-to-seed spread. The intervals are not corrected for the several comparisons made, so
+  with few seeds an interval that only just excludes 0 is weak evidence.
+- *dropped*: share of response tokens the mask removed, by advantage sign, averaged over all updates. *mismatch TV*:
+  TV between the float32 trainer and the rollout engine at the same weights, on the sampled positions. *D*: the
+  method's own divergence (TV at top-K for ppo_clip and pg_is) between the current policy and μ during the updates.
+  *dir. disagree*: among tokens beyond the TV threshold, the share where DPPO's direction sign(π_a − μ_a) and the
+  predictive sign(G) differ. *growth*: mismatch TV over the last tenth of the steps minus over the first tenth.
+- *tail masks differ*: share of response tokens on which the masks of pdm_bucket, pdm_tail (and pdm_uniform where
+  the registry has it) with the run's divergence and thresholds disagree, on the same logits and μ. They can only
+  differ where π or μ keeps mass outside TopK(μ) ∪ {a}.
+- *Did the trust region matter?* compares `pg_is` (no mask) with the masked method of highest final accuracy, paired
+  by seed; *Did PDM differ from DPPO?* compares each `pdm_*` with the DPPO mask of the same divergence and information.
+"""
+
+
+def _markdown(report: dict[str, Any], settings: dict[str, Any], plots: dict[str, list[str]]) -> str:
+    info = report["run"]
+    g = report["grid"]
+    cfg = report["shared_config"]
+    lines = [
+        f"# pdmask compare — preset `{report['preset']}`",
+        "",
+        report["description"],
+        "",
+        (
+            f"- Grid: {len(g['methods'])} methods × seeds {g['seeds']} × models {g['models']} × rollout precisions {g['rollout_dtypes']} "
+            f"({info['runs_expected']} runs; {info['runs_analysed']} finished and analysed; {info['reused']} reused from an earlier invocation)."
+        ),
+        f"- Wall time of this invocation: {info['wall_time_s']:.0f} s with {info['workers']} worker process(es) on {info['cpu_count']} CPUs.",
+        (
+            f"- Shared by every run: task `{cfg['task']}` (length {cfg['task_length']}, {cfg['num_symbols']} symbols, {cfg['reward']} reward), "
+            f"vocabulary {cfg['vocab_size']}, {cfg['steps']} RL steps of {cfg['prompts_per_step']} prompts × {cfg['group_size']} samples, "
+            f"{cfg['epochs']} epoch(s) × {cfg['minibatches']} minibatches per rollout batch, rollout lag {cfg['rollout_lag']} step(s), "
+            f"Adam lr {cfg['lr']}, grad clip {cfg['grad_clip']}, temperature {cfg['temperature']}, "
+            f"top-K = {cfg['top_k']}, μ = {cfg['mu']}, SFT warm start {cfg['sft_steps']} steps, thresholds {_thresholds_words(cfg)}. "
+            "Only the mask differs between methods."
+        ),
+    ]
+    for model, changes in g["per_model"].items():
+        lines.append(f"- For {model}: " + ", ".join(f"{k} = {v}" for k, v in changes.items()) + ".")
+    if info["failed"]:
+        lines += [
+            "",
+            f"**{len(info['failed'])} run(s) failed** and are left out:",
+            *[f"- `{f}`" for f in info["failed"]],
+        ]
+    lines += ["", "## Summary", ""]
+    for name in settings:
+        lines += [settings[name]["verdict"], ""]
+    for name, setting in settings.items():
+        lines += [f"## {name}", "", summary_table(setting), ""]
+        lines += [f"![{Path(p).stem}]({p})" for p in plots[name]]
+        lines.append("")
+    lines.append(READING_GUIDE)
+    return "\n".join(lines) + "\n"
