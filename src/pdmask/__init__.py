@@ -1,6 +1,7 @@
 """pdmask: predictive divergence masks (PDM), DPPO and PPO trust-region masks for RL of LLMs."""
 
 from pdmask.estimators import divergence, predicted_change
+from pdmask.hidden import policy_stats_from_hidden
 from pdmask.loss import AGG_MODES, FRACTION_DENOMINATORS, aggregate_loss, mask_metrics, per_token_loss, policy_loss
 from pdmask.methods import METHODS, MaskMethod, get_method, trust_region_mask
 from pdmask.rollout import RolloutLogprobs
@@ -23,6 +24,7 @@ __all__ = [
     "per_token_loss",
     "policy_loss",
     "policy_stats",
+    "policy_stats_from_hidden",
     "predicted_change",
     "stats_from_set",
     "trust_region_mask",

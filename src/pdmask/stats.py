@@ -150,12 +150,8 @@ def policy_stats(
         bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, dtype, logits.device, need_uniform)
         for sl, z in _upcast_chunks(source, rows, bufs):
             m = z.amax(-1)
-            total, rest, tail_sq = shifted_sums(z, m, prep.set_ids[sl], bufs, acc.tail_sq is not None)
-            acc.lse[sl] = m + total.log()
-            acc.set_logp[sl] = z.gather(-1, prep.set_ids[sl]) - acc.lse[sl, None]
-            acc.rest[sl] = rest / total
-            if acc.tail_sq is not None:
-                acc.tail_sq[sl] = tail_sq / total.square()
+            sums = shifted_sums(z, m, prep.set_ids[sl], bufs, acc.tail_sq is not None)
+            acc.finish_rows(sl, m, *sums, z.gather(-1, prep.set_ids[sl]))
             acc.add_normalised(sl, z, bufs, prep.set_ids[sl], flat_u, prep.full_logp)
     acc.check_finite("logits")
     logp = _GatherLogProb.apply(logits, prep.flat_tokens, acc.lse, rows)
@@ -331,6 +327,16 @@ class Accumulators:
             None if prep.full_logp is None else zeros(5, prep.n),
             zeros(2, prep.n) if need_uniform and prep.rollout.topk_ids is not None else None,
         )
+
+    def finish_rows(
+        self, sl: slice, m: Tensor, total: Tensor, rest: Tensor, tail_sq: Tensor | None, set_z: Tensor
+    ) -> None:
+        """Stores rows ``sl`` from their sums relative to the shift m: e.g. lse = m + log Σ exp(z − m)."""
+        self.lse[sl] = m + total.log()
+        self.set_logp[sl] = set_z - self.lse[sl, None]
+        self.rest[sl] = rest / total
+        if self.tail_sq is not None and tail_sq is not None:
+            self.tail_sq[sl] = tail_sq / total.square()
 
     def add_normalised(
         self, sl: slice, z: Tensor, bufs: Buffers, set_cols: Tensor, flat_u: Tensor, full_logp: Tensor | None,

@@ -1,0 +1,266 @@
+"""log π(a) and the mask statistics straight from the hidden states and the LM head, never holding the logits.
+
+Logits are made block by block, [block_rows, block_vocab] at a time, and reduced with an online
+log-sum-exp by the same per-block reductions as ``policy_stats``; the backward of log π(a) makes the
+blocks again instead of keeping them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pdmask.rollout import RolloutLogprobs
+from pdmask.stats import Accumulators, Buffers, PolicyStats, Prepared, normalised_sums, prepare, shifted_sums
+
+#: Default block of logits: rows × vocabulary ids (8 MiB of float32).
+BLOCK_ROWS = 1024
+BLOCK_VOCAB = 2048
+
+
+def policy_stats_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    rollout: RolloutLogprobs,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    need_sq_norm: bool = True,
+    need_uniform: bool = False,
+    response_mask: Tensor | None = None,
+    block_rows: int | None = None,
+    block_vocab: int | None = None,
+) -> PolicyStats:
+    """``policy_stats(hidden @ weight.T (+ bias) / temperature, ...)`` without the [..., V] logits.
+
+    Args:
+        hidden: [..., d] hidden states (packed [N, d] or [B, T, d]), any float dtype.
+        weight: [V, d] LM head, the hidden states' dtype and device; bias: [V] or None.
+        tokens, rollout, need_sq_norm, need_uniform, response_mask: as for ``policy_stats``.
+        temperature: the sampling temperature the logits are divided by (> 0).
+        block_rows, block_vocab: the block of logits made at once (default 1024 × 2048).
+    The matmul runs in the inputs' dtype (accumulating in float32 as matmuls do) and each block is then
+    reduced in float32 (float64 for float64 inputs). log π(a) is differentiable with respect to hidden,
+    weight and bias; its backward makes the blocks again. Working memory is a few blocks, plus the
+    weight gradient of one vocabulary block, plus for non-float32 hidden states a float32 [N, d]
+    accumulator of their gradient.
+    """
+    head = _Head.checked(hidden, weight, bias, temperature, block_rows, block_vocab)
+    shape = tuple(hidden.shape[:-1])
+    prep = prepare(tokens, rollout, response_mask, shape, weight.shape[0], head.dtype, "hidden states")
+    flat = hidden.detach().reshape(-1, hidden.shape[-1])
+    acc = Accumulators.empty(prep, need_sq_norm, need_uniform)
+    with torch.no_grad():
+        bufs = head.buffers(min(head.rows, max(prep.n, 1)), need_uniform)
+        for sl in head.row_blocks(prep.n):
+            _first_sweep(head, flat[sl], sl, prep, acc, bufs)
+            if acc.full is not None or acc.uniform is not None:
+                _second_sweep(head, flat[sl], sl, prep, acc, bufs)
+    acc.check_finite("hidden @ weight.T logits")
+    logp = _HiddenLogProb.apply(hidden, weight, bias, acc.set_logp[:, -1], prep.flat_tokens, acc.lse, head)
+    stats = acc.assemble(prep, logp)
+    if stats.uniform_sums is None and stats.has_topk:
+        stats.uniform_pass = lambda: _uniform_pass(head, flat, prep, acc)
+    return stats
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The LM head as blocks of logits z = (h @ W[v].T + b[v]) / temperature in the compute dtype."""
+
+    weight: Tensor
+    bias: Tensor | None
+    temperature: float
+    rows: int
+    cols: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def checked(
+        hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, rows: int | None, cols: int | None
+    ) -> _Head:
+        if not isinstance(hidden, Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
+            raise TypeError("hidden must be a floating-point torch.Tensor of shape [..., d].")
+        if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] < 2:
+            raise ValueError(
+                f"weight must be the LM head's [V, d] tensor with V >= 2, got {_shape_of(weight)}."
+            )
+        if weight.shape[1] != hidden.shape[-1]:
+            raise ValueError(
+                f"weight has shape {tuple(weight.shape)} but hidden has d = {hidden.shape[-1]}; weight must be [V, d]."
+            )
+        for name, x, want in (("weight", weight, (weight.shape[0], hidden.shape[-1])), ("bias", bias, (weight.shape[0],))):
+            if x is None:
+                continue
+            if not isinstance(x, Tensor) or tuple(x.shape) != want:
+                raise ValueError(f"{name} must be a tensor of shape {want}, got {_shape_of(x)}.")
+            if x.dtype != hidden.dtype:
+                raise TypeError(
+                    f"{name} has dtype {x.dtype} but hidden has {hidden.dtype}; pass them in one dtype "
+                    f"(e.g. hidden.to({name}.dtype))."
+                )
+            if x.device != hidden.device:
+                raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}; put them on one device.")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature > 0
+        ):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}.")
+        for name, value in (("block_rows", rows), ("block_vocab", cols)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        return _Head(
+            weight.detach(), None if bias is None else bias.detach(), float(temperature),
+            rows or BLOCK_ROWS, min(cols or BLOCK_VOCAB, weight.shape[0]), dtype,
+        )
+
+    def row_blocks(self, n: int) -> list[slice]:
+        return [slice(s, min(s + self.rows, n)) for s in range(0, n, self.rows)]
+
+    def vocab_blocks(self) -> list[slice]:
+        vocab = self.weight.shape[0]
+        return [slice(s, min(s + self.cols, vocab)) for s in range(0, vocab, self.cols)]
+
+    def buffers(self, rows: int, need_sign: bool) -> Buffers:
+        bufs = Buffers.empty(rows * self.cols, self.dtype, self.weight.device, need_sign)
+        if self.weight.dtype != self.dtype:
+            bufs.upcast = torch.empty_like(bufs.exp)
+        return bufs
+
+    def logits(self, h: Tensor, v: slice, bufs: Buffers) -> Tensor:
+        """z [rows, |v|] for the hidden states h [rows, d] and vocabulary ids v, in the compute dtype."""
+        z = torch.nn.functional.linear(h, self.weight[v], None if self.bias is None else self.bias[v])
+        if bufs.upcast is not None:
+            z = Buffers.block(bufs.upcast, *z.shape).copy_(z)
+        return z if self.temperature == 1.0 else z.div_(self.temperature)
+
+
+def _block_cols(ids: Tensor, v: slice) -> Tensor:
+    """Columns of ids [r, k] in the vocabulary block v; ids outside it get the spare column |v|."""
+    local = ids - v.start
+    width = v.stop - v.start
+    return torch.where((local >= 0) & (local < width), local, width)
+
+
+def _first_sweep(head: _Head, h: Tensor, sl: slice, prep: Prepared, acc: Accumulators, bufs: Buffers) -> None:
+    """lse, log π at S, π_R and Q of rows sl by an online log-sum-exp over the vocabulary blocks."""
+    r = h.shape[0]
+    m = torch.full((r,), -torch.inf, dtype=head.dtype, device=h.device)
+    total, rest = torch.zeros_like(m), torch.zeros_like(m)
+    tail_sq = torch.zeros_like(m) if acc.tail_sq is not None else None
+    set_z = torch.zeros(prep.set_ids[sl].shape, dtype=head.dtype, device=h.device)
+    for v in head.vocab_blocks():
+        z = head.logits(h, v, bufs)
+        cols = _block_cols(prep.set_ids[sl], v)
+        width = z.shape[1]
+        set_z = torch.where(cols < width, z.gather(-1, cols.clamp(max=width - 1)), set_z)
+        m_new = torch.maximum(m, z.amax(-1))
+        shift = torch.where(m_new > -torch.inf, m_new, 0.0)  # rows that are all -inf so far sum to 0
+        scale = (m - shift).exp()
+        block_total, block_rest, block_sq = shifted_sums(z, shift, cols, bufs, tail_sq is not None)
+        total = total * scale + block_total
+        rest = rest * scale + block_rest
+        if tail_sq is not None and block_sq is not None:
+            tail_sq = tail_sq * scale.square() + block_sq
+        m = m_new
+    acc.finish_rows(sl, m, total, rest, tail_sq, set_z)
+
+
+def _second_sweep(head: _Head, h: Tensor, sl: slice, prep: Prepared, acc: Accumulators, bufs: Buffers) -> None:
+    """The sums that need the final lse of rows sl (full-μ reductions, uniform sums), block by block."""
+    flat_u = prep.flat_even_mu
+    for v in head.vocab_blocks():
+        z = head.logits(h, v, bufs)
+        acc.add_normalised(sl, z, bufs, _block_cols(prep.set_ids[sl], v), flat_u, prep.full_logp, v)
+
+
+def _uniform_pass(head: _Head, flat: Tensor, prep: Prepared, acc: Accumulators) -> Tensor:
+    """[2, ...] the uniform estimator's sums, by sweeping the blocks again."""
+    out = torch.zeros(2, prep.n, dtype=head.dtype, device=flat.device)
+    flat_u = prep.flat_even_mu
+    with torch.no_grad():
+        bufs = head.buffers(min(head.rows, max(prep.n, 1)), True)
+        for sl in head.row_blocks(prep.n):
+            for v in head.vocab_blocks():
+                z = head.logits(flat[sl], v, bufs)
+                sums = normalised_sums(z, acc.lse[sl], _block_cols(prep.set_ids[sl], v), bufs, flat_u[sl], None)[1]
+                assert sums is not None
+                out[:, sl] += sums
+    return out.reshape((2,) + prep.shape)
+
+
+class _HiddenLogProb(torch.autograd.Function):
+    """log π(a) [N] (computed by the sweep) with a backward that makes the logit blocks again.
+
+    With z = (h Wᵀ + b)/t, ∂ log π(a)/∂(h Wᵀ + b) = (e_a − π)/t, so for upstream g [N]:
+    ∂h = G W, ∂W = Gᵀ h, ∂b = Σ_n G_n with G = g·(e_a − π)/t [N, V], one block at a time.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, logp: Tensor, tokens: Tensor, lse: Tensor, head: _Head
+    ) -> Tensor:
+        ctx.save_for_backward(hidden, tokens, lse)
+        ctx.head = head
+        return logp.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        hidden, tokens, lse = ctx.saved_tensors
+        head: _Head = ctx.head
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        g = grad_out.to(head.dtype) / head.temperature
+        weight = head.weight
+        # Non-float32 hidden gradients accumulate over the vocabulary blocks in float32, not in their dtype.
+        grad_h = torch.zeros(flat.shape, dtype=_wider(hidden.dtype), device=flat.device) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        grad_b = torch.empty_like(head.bias) if need_b and head.bias is not None else None
+        bufs = head.buffers(min(head.rows, max(flat.shape[0], 1)), False)
+        for v in head.vocab_blocks():
+            width = v.stop - v.start
+            gw = torch.zeros(width, weight.shape[1], dtype=_wider(weight.dtype), device=weight.device) if need_w else None
+            gb = torch.zeros(width, dtype=head.dtype, device=weight.device) if grad_b is not None else None
+            for sl in head.row_blocks(flat.shape[0]):
+                z = head.logits(flat[sl], v, bufs)
+                r = z.shape[0]
+                gz = torch.sub(z, lse[sl, None], out=Buffers.block(bufs.exp, r, width)).exp_().mul_(-g[sl, None])
+                cols = _block_cols(tokens[sl, None], v).squeeze(-1)
+                at_a = torch.where(cols < width, torch.arange(r, device=z.device) * width + cols, r * width)
+                bufs.exp.index_add_(0, at_a, g[sl])  # + g at a, when a is in this block
+                gz_in = gz.to(hidden.dtype)
+                if grad_h is not None:
+                    _add_product(grad_h[sl], gz_in, weight[v])
+                if gw is not None:
+                    _add_product(gw, gz_in.T, flat[sl])
+                if gb is not None:
+                    gb += gz.sum(0)
+            if grad_w is not None and gw is not None:
+                grad_w[v] = gw
+            if grad_b is not None and gb is not None:
+                grad_b[v] = gb
+        dh = None if grad_h is None else grad_h.to(hidden.dtype).reshape(hidden.shape)
+        return dh, grad_w, grad_b, None, None, None, None
+
+
+def _add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out += a @ b, in place when the dtypes agree (no [rows, d] temporary)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out += a @ b
+
+
+def _wider(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype == torch.float64 else torch.float32
+
+
+def _shape_of(x: object) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+
+
+__all__ = ["BLOCK_ROWS", "BLOCK_VOCAB", "policy_stats_from_hidden"]
