@@ -38,5 +38,18 @@ except ImportError as err:
     raise
 
 from pdmask.integrations.verl.losses import BINARY_METHODS, loss_name, verl_thresholds  # noqa: E402
+from pdmask.integrations.verl.topk import TOPK_IDS, TOPK_LOGP, TOPK_METHODS, PDMLoss, enable_topk_forward  # noqa: E402
 
-__all__ = ["BINARY_METHODS", "VERL_MAX", "VERL_MIN", "check_verl_version", "loss_name", "verl_thresholds"]
+__all__ = [
+    "BINARY_METHODS",
+    "TOPK_IDS",
+    "TOPK_LOGP",
+    "TOPK_METHODS",
+    "VERL_MAX",
+    "VERL_MIN",
+    "PDMLoss",
+    "check_verl_version",
+    "enable_topk_forward",
+    "loss_name",
+    "verl_thresholds",
+]

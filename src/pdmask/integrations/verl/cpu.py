@@ -1,0 +1,187 @@
+"""verl's FSDP training engine in one CPU process (gloo, world size 1), for tests and smoke runs.
+
+verl resolves its device through a platform object (``verl.plugin.platform``) and ships CUDA, NPU and
+ROCm ones only; ``CPUPlatform`` is the missing one. Nothing here is used in a real (GPU) run.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+from verl.plugin.platform import PlatformBase, set_platform
+
+
+class CPUPlatform(PlatformBase):
+    """The host CPU as a verl platform: gloo collectives, no device memory, no profiler."""
+
+    @property
+    def device_name(self) -> str:
+        return "cpu"
+
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
+
+    @property
+    def device_module(self) -> ModuleType:
+        return torch.cpu
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> Any:
+        # verl passes this to FSDP(device_id=...) and TensorDict.to(...): the CPU device serves both.
+        return torch.device("cpu")
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        pass
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
+
+    @contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        pass
+
+    def profiler_stop(self) -> None:
+        pass
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self) -> Any:
+        return None
+
+
+def init_cpu_process_group() -> None:
+    """Installs ``CPUPlatform`` and a one-process gloo group (idempotent)."""
+    set_platform(CPUPlatform())
+    # verl registers its FSDP engines for cuda/npu only; the same class runs on CPU.
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+
+def build_actor_engine(model_path: str, *, use_remove_padding: bool, lr: float = 1e-3, seed: int = 0) -> Any:
+    """verl's FSDP actor engine (``FSDPEngineWithLMHead``) for the Hugging Face model at ``model_path``, in float32."""
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    init_cpu_process_group()
+    torch.manual_seed(seed)
+    model_config = HFModelConfig(
+        path=model_path, use_remove_padding=use_remove_padding, override_config={"attn_implementation": "sdpa"}
+    )
+    engine_config = FSDPEngineConfig(
+        strategy="fsdp2",
+        model_dtype="fp32",
+        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        use_torch_compile=False,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=2,
+        max_token_len_per_gpu=4096,
+    )
+    optimizer_config = FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1e9)
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend="fsdp2",
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=optimizer_config,
+        checkpoint_config=CheckpointConfig(),
+    )
+    engine.initialize()
+    return engine
+
+
+def save_tiny_llama(path: str, *, vocab_size: int = 64, seed: int = 0) -> str:
+    """Writes a random 2-layer Llama (hidden size 32) and a word-level tokenizer ``t0 … t{V-1}`` to ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = {"pad_token": "t0", "unk_token": "t1", "eos_token": "t2", "bos_token": "t3"}
+    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(path)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=3,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def padded_batch(
+    prompts: list[list[int]], responses: list[list[int]], **response_fields: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """verl's padded actor batch: prompts left-padded, responses right-padded, plus [B, R, ...] response fields."""
+    batch, p_len, r_len = len(prompts), max(map(len, prompts)), max(map(len, responses))
+    prompt_ids = torch.zeros(batch, p_len, dtype=torch.long)
+    response_ids = torch.zeros(batch, r_len, dtype=torch.long)
+    attention = torch.zeros(batch, p_len + r_len, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        prompt_ids[b, p_len - len(p) :] = torch.tensor(p)
+        response_ids[b, : len(r)] = torch.tensor(r)
+        attention[b, p_len - len(p) : p_len + len(r)] = 1
+    return {
+        "prompts": prompt_ids,
+        "responses": response_ids,
+        "input_ids": torch.cat([prompt_ids, response_ids], 1),
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+        "response_mask": attention[:, p_len:].clone(),
+        **response_fields,
+    }
+
+
+__all__ = ["CPUPlatform", "build_actor_engine", "init_cpu_process_group", "padded_batch", "save_tiny_llama"]

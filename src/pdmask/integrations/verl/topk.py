@@ -1,0 +1,236 @@
+"""Top-K methods in verl's FSDP engine: the actor's loss function doubles as a logits processor.
+
+verl's engine calls the actor's loss function twice per micro-batch when the batch carries the
+non-tensor flag ``distillation_use_topk`` (the hook of its top-K distillation): first as a logits
+processor on the packed, temperature-scaled logits [1, N, V] it already holds, then as the loss.
+``PDMLoss`` reads π at S = TopK(μ) ∪ {a}, π's rest mass and ‖π‖² there with ``pdmask.policy_stats``
+(one chunked pass, no second [N, V] tensor) and hands them back as per-token outputs; as the loss it
+runs verl's own ``ppo_loss`` (entropy and KL terms, global-batch aggregation, metrics), whose policy
+loss ``pdmask_<method>`` takes these statistics and verl's log π(a) with its gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+from verl.trainer.ppo.core_algos import register_policy_loss
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import no_padding_2_padding
+
+from pdmask.integrations.verl.losses import loss_name, masked_policy_loss
+from pdmask.methods import METHODS, MaskMethod, get_method
+from pdmask.rollout import RolloutLogprobs
+from pdmask.stats import PolicyStats, policy_stats
+
+#: Batch keys of the rollout's top-K, response-aligned [batch, response_len, K]: ids (int) and log μ.
+TOPK_IDS = "rollout_topk_ids"
+TOPK_LOGP = "rollout_topk_log_probs"
+#: The non-tensor flag that makes verl's engine call the loss function as a logits processor.
+PROCESSOR_FLAG = "distillation_use_topk"
+#: Methods run by ``PDMLoss``: those that need μ's top-K (full μ has no rollout engine to come from).
+TOPK_METHODS = tuple(name for name, m in METHODS.items() if m.needs == "topk")
+#: Prefix of the per-token outputs the processor hands back through verl's model output.
+_OUT = "pdmask_stat/"
+#: PolicyStats fields laid out [2, ...] rather than [..., C].
+_LEADING_PAIR = ("uniform_sums",)
+
+_current: ContextVar[PolicyStats | None] = ContextVar("pdmask_verl_topk_stats", default=None)
+
+
+def sampled_logp(data: TensorDict) -> Tensor:
+    """log μ(a) [B, R]: ``rollout_log_probs``, or ``old_log_probs`` in verl's bypass mode (where verl renames it)."""
+    key = "rollout_log_probs" if "rollout_log_probs" in data.keys() else "old_log_probs"
+    return _padded(data[key]).float()
+
+
+def rollout_from_batch(data: TensorDict, method: MaskMethod, top_k: int | None = None) -> RolloutLogprobs:
+    """μ [B, R(, K)] from the batch's response-aligned fields; one-line errors for missing fields or a K mismatch."""
+    missing = [key for key in (TOPK_IDS, TOPK_LOGP) if key not in data.keys()]
+    if missing:
+        raise ValueError(
+            f"{loss_name(method)} needs the rollout's top-K: the batch lacks {', '.join(missing)} [batch, response_len, K]. "
+            "Add them at rollout time (pdmask.integrations.verl.rollout) or use a binary method (pdmask_dppo_binary_*)."
+        )
+    ids, logp = _padded(data[TOPK_IDS]), _padded(data[TOPK_LOGP])
+    if top_k is not None and ids.shape[-1] != top_k:
+        raise ValueError(
+            f"the batch's {TOPK_IDS} has K = {ids.shape[-1]} columns but PDMLoss was built with top_k={top_k}: "
+            "ask the rollout for the same K (logprobs=K) as the loss."
+        )
+    return RolloutLogprobs(sampled_logp(data), topk_ids=ids.long(), topk_logp=logp.float())
+
+
+class PDMLoss:
+    """verl engine loss function for a top-K pdmask method: ``ppo_loss`` with π's statistics at S.
+
+    Args:
+        config: verl's actor config (``ActorConfig``); ``config.policy_loss.loss_mode`` must be
+            ``pdmask_<method>`` of a top-K method (``pdmask_pdm_tail_tv``, ``pdmask_dppo_topk_kl``...).
+        top_k: K the rollout was asked for (checked against the batch); None accepts any K.
+    Set it as the actor's loss function (``actor_rollout_wg.set_loss_fn(PDMLoss(config))``) and mark each
+    actor batch with ``enable_topk_forward``.
+    """
+
+    def __init__(self, config: Any, top_k: int | None = None) -> None:
+        mode = config.policy_loss.get("loss_mode", "vanilla")
+        names = {loss_name(m): m for m in TOPK_METHODS}
+        if mode not in names:
+            raise ValueError(
+                f"PDMLoss runs the top-K methods; actor.policy_loss.loss_mode is {mode!r}. Set it to one of "
+                f"{', '.join(sorted(names))} (binary methods need no PDMLoss)."
+            )
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}.")
+        self.config, self.method, self.top_k = config, get_method(names[mode]), top_k
+
+    def __call__(
+        self,
+        model_output: dict[str, Tensor] | None = None,
+        data: TensorDict | None = None,
+        dp_group: Any = None,
+        student_logits: Tensor | None = None,
+    ) -> Any:
+        assert data is not None
+        if student_logits is not None:
+            return self.logits_processor(student_logits, data)
+        assert model_output is not None
+        if not any(key.startswith(_OUT) for key in model_output):
+            fused = tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False)
+            raise RuntimeError(
+                f"{loss_name(self.method)} reads π at the rollout's top-K ids from the logits, but verl's engine did not "
+                "call PDMLoss on them: "
+                + (
+                    "fused kernels never materialise the logits; set actor_rollout_ref.model.use_fused_kernels=False."
+                    if fused
+                    else f"mark the actor batch with pdmask.integrations.verl.enable_topk_forward (flag {PROCESSOR_FLAG})."
+                )
+            )
+        stats = self._stats(model_output, data)
+        with _stats_for_policy_loss(stats):
+            return ppo_loss(self.config, model_output, data, dp_group)
+
+    def logits_processor(self, student_logits: Tensor, data: TensorDict) -> dict[str, Tensor]:
+        """Per packed token [1, N]: each tensor field of pdmask's PolicyStats (but log π(a)), column by column."""
+        logits = student_logits.detach()[0]
+        n = logits.shape[0]
+        tokens = torch.roll(data["input_ids"].values(), shifts=-1, dims=0).to(logits.device)
+        if tokens.shape[0] != n:
+            raise NotImplementedError(
+                "PDMLoss needs the whole packed sequence on this rank: Ulysses sequence parallelism and pad_to_length "
+                "are not supported with pdmask's top-K methods."
+            )
+        # Packed position of each response token (the logits before it): verl's own response slicing, inverted.
+        where = no_padding_2_padding(torch.arange(1, n + 1, device=logits.device), data).long() - 1
+        rollout = rollout_from_batch(data, self.method, self.top_k)
+        valid = (where >= 0) & _padded(data["response_mask"]).bool().to(where.device)
+        at = where[valid]
+        packed = torch.zeros(n, dtype=torch.bool, device=logits.device)
+        packed[at] = True
+        k = rollout.k
+        ids = torch.arange(k, device=logits.device).expand(n, k).clone()
+        ids[at] = rollout.topk_ids.to(logits.device)[valid]
+        assert rollout.topk_logp is not None
+        topk_logp = torch.zeros(n, k, device=logits.device)
+        topk_logp[at] = rollout.topk_logp.to(logits.device)[valid]
+        logp = torch.zeros(n, device=logits.device)
+        logp[at] = rollout.logp.to(logits.device)[valid]
+        stats = policy_stats(
+            logits,
+            tokens,
+            RolloutLogprobs(logp, ids, topk_logp),
+            need_sq_norm=True,  # tail, uniform and the direction-disagreement metric use ‖π‖²
+            need_uniform=self.method.needs_uniform,
+            response_mask=packed,
+        )
+        return dict(_flatten(stats))
+
+    def _stats(self, model_output: dict[str, Tensor], data: TensorDict) -> PolicyStats:
+        """PolicyStats [B, R] from the processor's per-token outputs; log π(a) is set by the policy loss."""
+        singles: dict[str, Tensor] = {}
+        columns: dict[str, dict[int, Tensor]] = {}
+        for key, value in model_output.items():
+            if key.startswith(_OUT):
+                name, _, col = key[len(_OUT) :].partition("/")
+                value = no_padding_2_padding(value, data)
+                if col:
+                    columns.setdefault(name, {})[int(col)] = value
+                else:
+                    singles[name] = value
+        for name, cols in columns.items():
+            singles[name] = torch.stack([cols[j] for j in range(len(cols))], 0 if name in _LEADING_PAIR else -1)
+        singles["set_valid"] = singles["set_valid"].bool()
+        # log π(a) with its gradient is verl's own; the policy loss puts it in place of this stand-in.
+        return PolicyStats(logp=singles["rollout_logp"], has_topk=True, has_full=False, **singles)
+
+
+def enable_topk_forward(data: TensorDict) -> TensorDict:
+    """Marks an actor batch so verl's FSDP engine calls ``PDMLoss`` on the logits (the flag ``distillation_use_topk``)."""
+    tu.assign_non_tensor(data, **{PROCESSOR_FLAG: True})
+    return data
+
+
+@contextmanager
+def _stats_for_policy_loss(stats: PolicyStats) -> Iterator[None]:
+    token = _current.set(stats)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _flatten(stats: PolicyStats) -> Iterator[tuple[str, Tensor]]:
+    """(key, [1, N]) for every tensor field but log π(a): an [N] field as ``name``, an [N, C] one as ``name/j``."""
+    for f in dataclasses.fields(stats):
+        value = getattr(stats, f.name)
+        if f.name == "logp" or not isinstance(value, Tensor):
+            continue
+        if value.dim() == 1:
+            yield f"{_OUT}{f.name}", value.unsqueeze(0)
+            continue
+        cols = value.T if f.name in _LEADING_PAIR else value
+        for j in range(cols.shape[-1]):
+            yield f"{_OUT}{f.name}/{j}", cols[:, j].unsqueeze(0)
+
+
+def _padded(x: Tensor) -> Tensor:
+    return x.to_padded_tensor(0) if x.is_nested else x
+
+
+def _topk_policy_loss(method: MaskMethod):
+    def policy_loss(
+        old_log_prob: Tensor,
+        log_prob: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Any]]:
+        stats = _current.get()
+        if stats is None:
+            raise RuntimeError(
+                f"{loss_name(method)} needs π at the rollout's top-K ids, which verl's default ppo_loss does not compute: "
+                "set the actor's loss function to pdmask.integrations.verl.PDMLoss(config) (docs/verl.md, top-K mode)."
+            )
+        mask = response_mask.bool()
+        logp = torch.where(mask, log_prob.float(), 0.0)
+        stats = dataclasses.replace(stats, logp=logp)
+        return masked_policy_loss(method, stats, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+    policy_loss.__name__ = policy_loss.__qualname__ = loss_name(method)
+    policy_loss.__doc__ = f"verl policy loss for pdmask's {method.name!r} (top-K, under PDMLoss): {method.description}"
+    return policy_loss
+
+
+for _name in TOPK_METHODS:
+    register_policy_loss(loss_name(_name))(_topk_policy_loss(METHODS[_name]))
+
+__all__ = ["PDMLoss", "TOPK_IDS", "TOPK_LOGP", "TOPK_METHODS", "enable_topk_forward", "rollout_from_batch", "sampled_logp"]

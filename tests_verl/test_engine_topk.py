@@ -1,0 +1,147 @@
+"""Top-K methods through verl's own FSDP engine (CPU, gloo, world size 1) against pdmask.policy_loss on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import actor_config
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import PolicyLossConfig
+from verl.workers.utils.padding import left_right_2_no_padding
+
+import pdmask
+from pdmask.integrations.verl import PDMLoss, enable_topk_forward, topk
+from pdmask.integrations.verl.cpu import build_actor_engine, padded_batch, save_tiny_llama
+
+K, TAU, DELTA = 4, 0.8, 0.1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    return {rmpad: build_actor_engine(model_dir, use_remove_padding=rmpad) for rmpad in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def rollout_batch(model_dir):
+    """A padded verl batch whose μ is the model's own distribution at τ, perturbed, with its top-K; and the reference logits."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [(5, 6), (3, 4), (4, 1), (2, 5)]
+    prompts = [torch.randint(4, 64, (p,), generator=g).tolist() for p, _ in lengths]
+    responses = [torch.randint(4, 64, (r,), generator=g).tolist() for _, r in lengths]
+    batch = padded_batch(prompts, responses)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    p_len = batch["prompts"].shape[1]
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    logits = out.logits[:, p_len - 1 : -1] / TAU  # the logits that predict each response token
+    mu = torch.log_softmax(logits + 0.7 * torch.randn(logits.shape, generator=g), -1)
+    top_logp, top_ids = mu.topk(K, -1)
+    sampled = mu.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    adv = torch.randn(len(lengths), generator=g).unsqueeze(1) * batch["response_mask"]
+    batch |= {
+        "old_log_probs": sampled,
+        "rollout_log_probs": sampled,
+        "advantages": adv,
+        topk.TOPK_IDS: top_ids,
+        topk.TOPK_LOGP: top_logp,
+    }
+    return batch, logits
+
+
+def _engine_data(batch, *, rmpad, flag=True, **extra):
+    td = left_right_2_no_padding(TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]]))
+    tu.assign_non_tensor(
+        td,
+        temperature=TAU,
+        use_remove_padding=rmpad,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=2,
+        use_fused_kernels=False,
+        global_batch_size=td.batch_size[0],
+        **extra,
+    )
+    return enable_topk_forward(td) if flag else td
+
+
+def _config(method, agg="token-mean"):
+    return actor_config(
+        clip_ratio_low=DELTA,
+        clip_ratio_high=DELTA,
+        loss_agg_mode=agg,
+        policy_loss=PolicyLossConfig(loss_mode=f"pdmask_{method}"),
+    )
+
+
+@pytest.mark.parametrize("rmpad", [True, False], ids=["remove_padding", "padded"])
+@pytest.mark.parametrize("method", ["pdm_tail_tv", "pdm_bucket_kl", "pdm_uniform_tv", "dppo_topk_kl"])
+def test_engine_loss_and_mask_equal_pdmask(engines, rollout_batch, monkeypatch, rmpad, method):
+    batch, logits = rollout_batch
+    seen = []
+
+    def capture(m, stats, adv, mask, agg, config, weights):
+        seen.append((stats, adv, mask))
+        return topk_masked(m, stats, adv, mask, agg, config, weights)
+
+    topk_masked = topk.masked_policy_loss
+    monkeypatch.setattr(topk, "masked_policy_loss", capture)
+    out = engines[rmpad].infer_batch(_engine_data(batch, rmpad=rmpad), loss_function=PDMLoss(_config(method), top_k=K))
+
+    mask = batch["response_mask"]
+    rollout = pdmask.RolloutLogprobs(batch["rollout_log_probs"], batch[topk.TOPK_IDS], batch[topk.TOPK_LOGP])
+    thresholds = {"delta_low": DELTA, "delta_high": DELTA, "ratio_cap": 3.0}
+    ref, ref_metrics = pdmask.policy_loss(method, logits, batch["responses"], rollout, batch["advantages"], mask, **thresholds)
+    torch.testing.assert_close(torch.tensor(sum(out["loss"])), ref, rtol=1e-5, atol=1e-6)
+
+    ref_stats = pdmask.policy_stats(logits, batch["responses"], rollout, response_mask=mask, need_uniform=True)
+    ref_keep = pdmask.trust_region_mask(method, ref_stats, batch["advantages"], mask, **thresholds)
+    keep = torch.cat([pdmask.trust_region_mask(method, s, a, m, **thresholds) for s, a, m in seen])
+    assert torch.equal(keep, ref_keep)
+    assert 0 < (~keep & mask.bool()).sum() < mask.sum()  # the mask has work to do
+    stats = [s for s, _, _ in seen]
+    for name in ("logp", "set_logp", "rest_mass", "sq_norm"):
+        got = torch.cat([getattr(s, name).detach() for s in stats])
+        want = getattr(ref_stats, name).detach()
+        torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-5, atol=1e-6)
+
+
+def test_engine_train_batch_steps(engines, rollout_batch):
+    batch, _ = rollout_batch
+    engine = engines[True]
+    before = [p.detach().full_tensor().clone() for p in engine.module.parameters()]
+    out = engine.train_batch(_engine_data(batch, rmpad=True), loss_function=PDMLoss(_config("pdm_tail_tv"), top_k=K))
+    after = [p.detach().full_tensor() for p in engine.module.parameters()]
+    assert torch.isfinite(torch.tensor(out["metrics"]["grad_norm"]))
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_engine_without_the_flag_names_the_fix(engines, rollout_batch):
+    batch, _ = rollout_batch
+    with pytest.raises(RuntimeError, match="enable_topk_forward"):
+        engines[True].infer_batch(_engine_data(batch, rmpad=True, flag=False), loss_function=PDMLoss(_config("pdm_tail_tv")))
+
+
+def test_bad_input_gives_one_line_errors(rollout_batch):
+    batch, _ = rollout_batch
+    with pytest.raises(ValueError, match="loss_mode is 'pdmask_dppo_binary_tv'"):
+        PDMLoss(_config("dppo_binary_tv"))
+    td = TensorDict({k: v for k, v in batch.items() if k != topk.TOPK_IDS}, batch_size=[4])
+    with pytest.raises(ValueError, match=r"lacks rollout_topk_ids \[batch, response_len, K\]"):
+        topk.rollout_from_batch(td, pdmask.get_method("pdm_tail_tv"))
+    with pytest.raises(ValueError, match=r"K = 4 columns but PDMLoss was built with top_k=8"):
+        topk.rollout_from_batch(TensorDict(dict(batch), batch_size=[4]), pdmask.get_method("pdm_tail_tv"), 8)
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    x = batch["rollout_log_probs"]
+    with pytest.raises(RuntimeError, match=r"PDMLoss\(config\)"):
+        get_policy_loss_fn("pdmask_pdm_tail_tv")(x, x, batch["advantages"], batch["response_mask"], "token-mean", _config("pdm_tail_tv"), None)
+    fused = TensorDict({}, batch_size=[])
+    tu.assign_non_tensor(fused, use_fused_kernels=True)
+    with pytest.raises(RuntimeError, match="use_fused_kernels=False"):
+        PDMLoss(_config("pdm_tail_tv"))(model_output={"log_probs": x}, data=fused)
