@@ -11,7 +11,7 @@ from conftest import actor_config
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
 
 import pdmask
-from pdmask.integrations.verl import BINARY_METHODS, check_verl_version
+from pdmask.integrations.verl import BINARY_METHODS, TOPK_METHODS, check_verl_version
 from pdmask.integrations.verl.losses import binary_stats
 
 AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -30,8 +30,9 @@ def test_import_verl_registers_the_losses():
         "print(sorted(k for k in R if k.startswith('pdmask_')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(sorted(f"pdmask_{m}" for m in BINARY_METHODS))
+    assert out.strip() == str(sorted(f"pdmask_{m}" for m in BINARY_METHODS + TOPK_METHODS))
     assert set(BINARY_METHODS) == {"ppo_clip", "pg_is", "dppo_binary_tv", "dppo_binary_kl"}
+    assert {"pdm_tail_tv", "pdm_bucket_kl", "pdm_uniform_tv", "dppo_topk_kl"} <= set(TOPK_METHODS)
 
 
 @pytest.mark.parametrize("kind", ["tv", "kl"])
