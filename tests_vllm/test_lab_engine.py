@@ -80,11 +80,10 @@ def test_sync_loads_the_trainers_weights(policy, engine) -> None:
     assert_matches(policy, rollout(engine, seed=2))
 
 
-def test_load_weights_alone_leaves_cpu_engine_stale(policy) -> None:
+def test_load_weights_alone_leaves_cpu_engine_stale(policy, engine) -> None:
     """The trap sync avoids: vLLM's CPU linear layers compute from weights prepacked at load time, so
-    load_weights changes the parameter and not the output (a fresh engine: after reload_weights, vLLM's
-    parameters no longer take load_weights at all)."""
-    engine = VLLMEngine(policy, "fp32", top_k_logprobs=K, seed=0)
+    load_weights changes the parameter and not the output."""
+    engine.sync(policy)
     before = rollout(engine, seed=3)
     head = policy.model.lm_head.weight
     with torch.no_grad():

@@ -170,7 +170,12 @@ class Run:
         if not is_pretrained(cfg.model) and cfg.sft_steps > 0 and not self.checkpoint_path.exists():
             warm_start(cfg, self.policy, self.task)
         return_full = self.method.needs == "full" or V * cfg.batch_size * self.task.max_new_tokens <= FULL_LOGP_BUDGET
-        self.engine = RolloutEngine(self.policy, cfg.rollout_dtype, cfg.top_k, return_full=return_full)
+        if cfg.engine == "vllm":
+            from pdmask.lab.vllm_engine import VLLMEngine
+
+            self.engine: RolloutEngine | VLLMEngine = VLLMEngine(self.policy, cfg.rollout_dtype, cfg.top_k, cfg.seed)
+        else:
+            self.engine = RolloutEngine(self.policy, cfg.rollout_dtype, cfg.top_k, return_full=return_full)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.lr)
         self.step = 0
         # rollout_lag: the trainer's weights at the start of the last steps, oldest first (at most L).

@@ -16,9 +16,11 @@ and a script needs no ``__main__`` guard. Two traps of vLLM's CPU backend are ha
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -47,23 +49,28 @@ class VLLMEngine:
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"rollout_dtype: engine=vllm runs {', '.join(VLLM_DTYPES)}, not {dtype!r}")
         model = getattr(policy, "model", None)
-        if not hasattr(model, "save_pretrained"):
+        if not hasattr(model, "config"):
             raise ValueError("engine=vllm serves Hugging Face policies (smollm2-135m, hf:PATH), not TinyGPT")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: sync passes tensors by reference
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is 4
-        from vllm import LLM
-
+        # First: without vLLM this raises ImportError naming the extra to install.
         from pdmask.integrations.vllm import PROCESSED, engine_kwargs, rollout_from_outputs, sampling_params
+        from vllm import LLM
 
         self._convert, self._params, self._mode = rollout_from_outputs, sampling_params, PROCESSED
         self.dtype, self.top_k_logprobs = dtype, top_k_logprobs
         self.vocab_size = int(policy.vocab_size)
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         with tempfile.TemporaryDirectory(prefix="pdmask-vllm-") as path:
-            model.save_pretrained(path)  # the trainer's current weights; later ones arrive through sync
+            # Only the architecture goes to disk (without the GGUF quantization a smollm2-135m policy was
+            # loaded from): vLLM starts from dummy weights and sync loads the trainer's.
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            (Path(path) / "config.json").write_text(json.dumps(config))
             try:
                 self.llm = LLM(
                     model=path,
+                    load_format="dummy",
                     dtype=VLLM_DTYPES[dtype],
                     max_model_len=max_model_len,
                     enforce_eager=True,
@@ -74,6 +81,7 @@ class VLLMEngine:
             finally:
                 torch.set_num_threads = set_num_threads
                 torch.set_num_threads(threads)
+        self.sync(policy)
         got = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         if got != VLLM_DTYPES[dtype]:
             raise ValueError(f"rollout_dtype: vLLM runs this model in {got} here, not {VLLM_DTYPES[dtype]}; choose fp32 or bf16")
