@@ -40,6 +40,13 @@ except ImportError as err:
 from pdmask.integrations.verl.losses import BINARY_METHODS, loss_name, verl_thresholds  # noqa: E402
 from pdmask.integrations.verl.topk import TOPK_IDS, TOPK_LOGP, TOPK_METHODS, PDMLoss, enable_topk_forward  # noqa: E402
 
+try:  # verl's v1 trainer needs its rollout stack (TransferQueue, FastAPI, ...); without it verl cannot run one either
+    import verl.trainer.ppo.v1  # noqa: F401
+except ImportError:
+    pass
+else:
+    import pdmask.integrations.verl.trainer  # noqa: F401  (registers trainer.v1.trainer_mode=pdmask_sync)
+
 __all__ = [
     "BINARY_METHODS",
     "TOPK_IDS",
