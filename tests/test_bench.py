@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmask.bench import Row, make_inputs, measure, paths, render
+from pdmask.bench import Row, make_inputs, measure, paths, peak_bytes, render
+from pdmask.bench_hidden import HIDDEN_PATHS, HiddenConfig, measure_hidden, render_hidden
 from pdmask.cli import main
 
 
@@ -28,6 +29,14 @@ def test_measure_reports_every_path():
     # The chunked path allocates less than the plain log-softmax, which materialises [N, V] float32.
     assert row.peak_mib["pdm_tail"] < row.peak_mib["plain"]
     render([row])
+
+
+def test_hidden_rows_measure_every_path_and_the_fused_path_holds_no_logits():
+    row = measure_hidden(HiddenConfig(16_000, 32, 2_048, "float32"), 1, peak_bytes)
+    assert set(row.ms) == set(row.extra_mib) == set(HIDDEN_PATHS)
+    # matmul + policy_stats holds the [N, V] logits and their gradient; the fused path holds blocks of them.
+    assert row.extra_mib["fused"] < 0.5 * row.logits_mib < row.extra_mib["matmul_stats"]
+    render_hidden([row, measure_hidden(HiddenConfig(8_000, 64, 128, "bfloat16", ("fused",)), 0, peak_bytes)])
 
 
 def test_demo_command_runs(capsys):

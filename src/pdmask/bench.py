@@ -5,13 +5,13 @@ Paths, each on the same logits [N, V] (no gradient), K = 20:
   dppo_torch  log_softmax(logits.float()) + gathers at a and the top-K  (DPPO's statistics, plain torch)
   dppo_topk   pdmask.policy_stats without ‖π‖² + the dppo_topk_tv mask  (DPPO's statistics, chunked)
   pdm_tail    pdmask.policy_stats with ‖π‖² + the pdm_tail_tv mask      (PDM's statistics, chunked)
+and the hidden-state rows of ``pdmask.bench_hidden`` (forward + backward from hidden states and the LM head).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -22,11 +22,16 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
+from pdmask.bench_hidden import FULL_HIDDEN_GRID, QUICK_HIDDEN_GRID, HiddenRow, measure_hidden, render_hidden
+from pdmask.jsonio import dumps
 from pdmask.methods import trust_region_mask
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import policy_stats
 
-HELP = "Benchmark time and peak memory of the PDM tail statistics against the plain pass and DPPO's top-K statistics."
+HELP = (
+    "Benchmark time and peak memory of the PDM tail statistics against the plain pass and DPPO's top-K statistics, "
+    "and of the statistics straight from hidden states against matmul + policy_stats and a published fused log-prob."
+)
 
 FULL_GRID = [(v, n, d) for v in (32_000, 151_936) for n in (1_024, 4_096) for d in ("float32", "bfloat16")]
 QUICK_GRID = [(32_000, 1_024, "float32"), (32_000, 1_024, "bfloat16"), (151_936, 1_024, "bfloat16")]
@@ -155,8 +160,9 @@ def render(rows: list[Row]) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="three configurations (N = 1,024) instead of the full grid")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per path (default 5, quick 3)")
+    p.add_argument("--quick", action="store_true", help="three logits rows and one hidden-state row (N <= 1,024)")
+    p.add_argument("--part", choices=("all", "logits", "hidden"), default="all", help="which rows to run")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per path (default 5, quick 3; hidden rows 2, none for the memory-only rows)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
@@ -164,15 +170,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    grid = QUICK_GRID if args.quick else FULL_GRID
     repeats = args.repeats or (3 if args.quick else 5)
     if repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     from rich.progress import track
 
-    rows = [measure(v, n, d, repeats) for v, n, d in track(grid, description="benchmarking", transient=True)]
-    render(rows)
+    rows: list[Row] = []
+    hidden_rows: list[HiddenRow] = []
+    if args.part in ("all", "logits"):
+        grid = QUICK_GRID if args.quick else FULL_GRID
+        rows = [measure(v, n, d, repeats) for v, n, d in track(grid, description="benchmarking", transient=True)]
+        render(rows)
+    if args.part in ("all", "hidden"):
+        hidden_grid = QUICK_HIDDEN_GRID if args.quick else FULL_HIDDEN_GRID
+        hidden_repeats = args.repeats or 2
+        for cfg in track(hidden_grid, description="hidden-state rows", transient=True):
+            hidden_rows.append(measure_hidden(cfg, hidden_repeats if "matmul_stats" in cfg.paths else 0, peak_bytes))
+        render_hidden(hidden_rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) | {"tail_vs_dppo_topk": r.tail_vs_dppo} for r in rows], f, indent=1)
+            f.write(dumps({
+                "logits": [asdict(r) | {"tail_vs_dppo_topk": r.tail_vs_dppo} for r in rows],
+                "hidden": [asdict(r) for r in hidden_rows],
+            }, indent=1))
     return 0

@@ -232,11 +232,10 @@ class _HiddenLogProb(torch.autograd.Function):
                 cols = _block_cols(tokens[sl, None], v).squeeze(-1)
                 at_a = torch.where(cols < width, torch.arange(r, device=z.device) * width + cols, r * width)
                 bufs.exp.index_add_(0, at_a, g[sl])  # + g at a, when a is in this block
-                gz_in = gz.to(hidden.dtype)
                 if grad_h is not None:
-                    _add_product(grad_h[sl], gz_in, weight[v])
+                    _add_product(grad_h[sl], gz, weight[v])
                 if gw is not None:
-                    _add_product(gw, gz_in.T, flat[sl])
+                    _add_product(gw, gz.T, flat[sl])
                 if gb is not None:
                     gb += gz.sum(0)
             if grad_w is not None and gw is not None:
@@ -247,12 +246,15 @@ class _HiddenLogProb(torch.autograd.Function):
         return dh, grad_w, grad_b, None, None, None, None
 
 
-def _add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out += a @ b, in place when the dtypes agree (no [rows, d] temporary)."""
-    if out.dtype == a.dtype:
-        out.addmm_(a, b)
+def _add_product(out: Tensor, g: Tensor, x: Tensor) -> None:
+    """out += g @ x for g in out's dtype and x in the inputs' dtype, without rounding the product to x's dtype
+    (summing per-block products rounded to bf16 biases the gradient)."""
+    if x.dtype == out.dtype:
+        out.addmm_(g, x)
+    elif x.is_cuda:
+        torch.addmm(out, g.to(x.dtype), x, out_dtype=out.dtype, out=out)
     else:
-        out += a @ b
+        out.addmm_(g, x.to(out.dtype))
 
 
 def _wider(dtype: torch.dtype) -> torch.dtype:

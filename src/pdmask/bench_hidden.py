@@ -1,0 +1,184 @@
+"""`pdmask bench`'s hidden-state rows: forward + backward of log π(a) and the statistics from hidden states.
+
+Paths, each on the same hidden states h [N, d] and LM head W [V, d] (both requiring grad), K = 20,
+forward and backward of Σ g·M·log π(a) with the ``pdm_tail_tv`` mask M (Σ g·log π(a) where no mask):
+  fused         pdmask.policy_stats_from_hidden (log π(a), ‖π‖², top-K statistics) + mask
+  matmul_stats  logits = h @ W.T, then pdmask.policy_stats + mask                   (target (a))
+  matmul_plain  logits = h @ W.T, then log_softmax(logits.float()) + gather        (target (b))
+  trl_sq        TRL's chunked fused log π(a) (trl.kernels.chunked_logprob), then a   (target (c))
+                second no-grad sweep of it for ‖π‖² (log_sum_sq_probs)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pdmask.hidden import policy_stats_from_hidden
+from pdmask.methods import trust_region_mask
+from pdmask.rollout import RolloutLogprobs
+from pdmask.stats import policy_stats
+
+HIDDEN_PATHS = ("fused", "matmul_stats", "matmul_plain", "trl_sq")
+RATIO_PATHS = HIDDEN_PATHS[1:]
+
+
+@dataclass(frozen=True)
+class HiddenConfig:
+    vocab: int
+    dim: int
+    positions: int
+    dtype: str
+    paths: tuple[str, ...] = HIDDEN_PATHS
+
+
+#: Time ratios at N = 1,024 (every path), and the memory targets at V = 151,936 (the fused path alone at
+#: N = 4,096 and 8,192, memory only: the [N, V] paths would need 5-10 GB there).
+FULL_HIDDEN_GRID = [
+    HiddenConfig(32_000, 896, 1_024, "float32"),
+    HiddenConfig(32_000, 896, 1_024, "bfloat16"),
+    HiddenConfig(32_000, 2_048, 1_024, "float32"),
+    HiddenConfig(151_936, 896, 1_024, "float32"),
+    HiddenConfig(151_936, 896, 4_096, "float32", ("fused",)),
+    HiddenConfig(151_936, 896, 8_192, "float32", ("fused",)),
+    HiddenConfig(151_936, 896, 8_192, "bfloat16", ("fused",)),
+]
+QUICK_HIDDEN_GRID = [HiddenConfig(32_000, 256, 256, "float32")]
+
+
+@dataclass
+class HiddenRow:
+    vocab: int
+    dim: int
+    positions: int
+    dtype: str
+    ms: dict[str, float]
+    extra_mib: dict[str, float]  # peak bytes allocated above the inputs and the gradients it returns
+    logits_mib: float  # the float32 [N, V] logits the fused path avoids
+
+    def ratio(self, other: str) -> float | None:
+        return self.ms["fused"] / self.ms[other] if "fused" in self.ms and other in self.ms else None
+
+
+def hidden_inputs(vocab: int, dim: int, n: int, dtype: torch.dtype, k: int = 20, seed: int = 0):
+    """h [n, d], W [V, d] with logits of scale ~3, sampled tokens and a top-K rollout μ (a perturbed π)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, dim, generator=g).to(dtype)
+    w = (torch.randn(vocab, dim, generator=g) * (3 / dim**0.5)).to(dtype)
+    tokens = torch.empty(n, dtype=torch.long)
+    logp, ids, vals = torch.empty(n), torch.empty(n, k, dtype=torch.long), torch.empty(n, k)
+    for s in range(0, n, 256):  # chunked so that setup stays small next to what is measured
+        z = (h[s : s + 256] @ w.T).float()
+        logmu = torch.log_softmax(z + 0.3 * torch.randn(z.shape, generator=g), -1)
+        tokens[s : s + 256] = torch.multinomial(logmu.exp(), 1, generator=g).squeeze(-1)
+        logp[s : s + 256] = logmu.gather(-1, tokens[s : s + 256, None]).squeeze(-1)
+        top = logmu.topk(k, -1)
+        ids[s : s + 256], vals[s : s + 256] = top.indices, top.values
+    return h, w, tokens, RolloutLogprobs(logp, ids, vals), torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+
+def hidden_paths(
+    h: Tensor, w: Tensor, tokens: Tensor, rollout: RolloutLogprobs, adv: Tensor, g: Tensor
+) -> dict[str, Callable[[], object]]:
+    """Each path's forward + backward; the gradients land in h.grad and w.grad."""
+
+    def masked_backward(stats):
+        keep = trust_region_mask("pdm_tail_tv", stats, adv)
+        (stats.logp * g * keep).sum().backward()
+
+    def fused():
+        masked_backward(policy_stats_from_hidden(h, w, tokens, rollout))
+
+    def matmul_stats():
+        masked_backward(policy_stats(h @ w.T, tokens, rollout))
+
+    def matmul_plain():
+        logp = torch.log_softmax((h @ w.T).float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+        (logp * g).sum().backward()
+
+    def trl_sq():
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
+
+        logp = ChunkedLogProbFunction.apply(h, w, None, tokens, 1.0, chunk, None, 1.0, ())[0]
+        (logp * g).sum().backward()
+        with torch.no_grad():
+            ChunkedLogProbFunction.apply(h, w, None, tokens, 1.0, chunk, None, 1.0, ("log_sum_sq_probs",))
+
+    return {"fused": fused, "matmul_stats": matmul_stats, "matmul_plain": matmul_plain, "trl_sq": trl_sq}
+
+
+def trl_available() -> bool:
+    """Whether TRL's chunked log-prob imports (done here, so that no measured run pays for the import)."""
+    try:
+        import trl.kernels.chunked_logprob  # noqa: F401
+        import trl.trainer.utils  # noqa: F401  (its backward imports this)
+    except ImportError:
+        return False
+    return True
+
+
+def measure_hidden(cfg: HiddenConfig, repeats: int, peak_bytes: Callable[[Callable[[], object]], int]) -> HiddenRow:
+    """Peak memory of each path from one run under the memory profiler (which also warms up), then the median
+    time of ``repeats`` runs without it, interleaved so that machine noise hits every path alike."""
+    h, w, tokens, rollout, adv, g = hidden_inputs(cfg.vocab, cfg.dim, cfg.positions, getattr(torch, cfg.dtype))
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    fns = hidden_paths(h, w, tokens, rollout, adv, g)
+    names = [p for p in cfg.paths if p != "trl_sq" or trl_available()]
+    grads_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
+    extra: dict[str, float] = {}
+    for name in names:
+        h.grad = w.grad = None  # freed before the measurement, not inside it
+        extra[name] = (peak_bytes(fns[name]) - grads_bytes) / 2**20
+    times: dict[str, list[float]] = {p: [] for p in names}
+    for _ in range(repeats):
+        for name in names:
+            h.grad = w.grad = None
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return HiddenRow(
+        cfg.vocab, cfg.dim, cfg.positions, cfg.dtype,
+        {p: 1e3 * statistics.median(t) for p, t in times.items() if t}, extra, cfg.positions * cfg.vocab * 4 / 2**20,
+    )
+
+
+def render_hidden(rows: list[HiddenRow]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"pdmask bench: hidden states -> log π(a) + statistics, forward + backward, K = 20, "
+        f"{torch.get_num_threads()} threads"
+    )
+    cols = ["V", "d", "N", "dtype", *(f"{p} ms" for p in HIDDEN_PATHS), *(f"fused/{p}" for p in RATIO_PATHS)]
+    cols += [f"{p} extra" for p in HIDDEN_PATHS]
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        ratios = [r.ratio(p) for p in RATIO_PATHS]
+        table.add_row(
+            f"{r.vocab:,}", f"{r.dim:,}", f"{r.positions:,}", r.dtype,
+            *(f"{r.ms[p]:.0f}" if p in r.ms else "-" for p in HIDDEN_PATHS),
+            *(f"{x:.2f}x" if x is not None else "-" for x in ratios),
+            *(
+                f"{r.extra_mib[p]:.0f} MiB ({100 * r.extra_mib[p] / r.logits_mib:.1f}%)" if p in r.extra_mib else "-"
+                for p in HIDDEN_PATHS
+            ),
+        )
+    console = Console(width=max(Console().width, 220))
+    console.print(table)
+    Console().print(
+        "Targets: fused/matmul_stats <= 1.3x, fused <= trl_sq; fused extra memory <= 2% of the float32 [N, V] "
+        "logits at N = 8,192, V = 151,936, and not growing with N. 'extra' = peak bytes allocated above the "
+        "inputs and the returned gradients (profiler memory events), % of the float32 logits."
+    )
+
+
+__all__ = ["FULL_HIDDEN_GRID", "HiddenConfig", "HiddenRow", "QUICK_HIDDEN_GRID", "hidden_paths", "measure_hidden"]
