@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import actor_config
@@ -14,6 +16,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 import pdmask
 from pdmask.integrations.verl import PDMLoss, enable_topk_forward, topk
 from pdmask.integrations.verl.cpu import build_actor_engine, padded_batch, save_tiny_llama
+from pdmask.integrations.verl.rollout import topk_batch_fields
 
 K, TAU, DELTA = 4, 0.8, 0.1
 
@@ -35,23 +38,26 @@ def rollout_batch(model_dir):
     lengths = [(5, 6), (3, 4), (4, 1), (2, 5)]
     prompts = [torch.randint(4, 64, (p,), generator=g).tolist() for p, _ in lengths]
     responses = [torch.randint(4, 64, (r,), generator=g).tolist() for _, r in lengths]
-    batch = padded_batch(prompts, responses)
+    width = 7  # verl pads every response to rollout.response_length
+    batch = padded_batch(prompts, responses, response_length=width)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
     p_len = batch["prompts"].shape[1]
     with torch.no_grad():
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
     logits = out.logits[:, p_len - 1 : -1] / TAU  # the logits that predict each response token
     mu = torch.log_softmax(logits + 0.7 * torch.randn(logits.shape, generator=g), -1)
-    top_logp, top_ids = mu.topk(K, -1)
-    sampled = mu.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    # What pdmask's vLLM adapter returns (Completions), here from μ itself, up to the longest completion.
+    longest = max(r for _, r in lengths)
+    mask = batch["response_mask"][:, :longest].bool()
+    top_logp, top_ids = mu[:, :longest].topk(K, -1)
+    tokens = batch["responses"][:, :longest]
+    sampled = mu[:, :longest].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    completions = SimpleNamespace(
+        tokens=tokens, rollout=pdmask.RolloutLogprobs(sampled, top_ids, top_logp).masked(mask), response_mask=mask
+    )
+    fields = topk_batch_fields(completions, width)
     adv = torch.randn(len(lengths), generator=g).unsqueeze(1) * batch["response_mask"]
-    batch |= {
-        "old_log_probs": sampled,
-        "rollout_log_probs": sampled,
-        "advantages": adv,
-        topk.TOPK_IDS: top_ids,
-        topk.TOPK_LOGP: top_logp,
-    }
+    batch |= fields | {"old_log_probs": fields["rollout_log_probs"], "advantages": adv}
     return batch, logits
 
 
@@ -145,3 +151,21 @@ def test_bad_input_gives_one_line_errors(rollout_batch):
     tu.assign_non_tensor(fused, use_fused_kernels=True)
     with pytest.raises(RuntimeError, match="use_fused_kernels=False"):
         PDMLoss(_config("pdm_tail_tv"))(model_output={"log_probs": x}, data=fused)
+
+
+def test_topk_batch_fields_pads_to_the_response_length(rollout_batch):
+    batch, _ = rollout_batch
+    mask = batch["response_mask"].bool()
+    assert batch[topk.TOPK_IDS].shape == (4, 7, K) and batch["rollout_log_probs"].shape == (4, 7)
+    assert (batch["rollout_log_probs"][~mask] == 0).all()
+    assert (batch[topk.TOPK_IDS][~mask] == torch.arange(K)).all()
+    assert (batch[topk.TOPK_LOGP][~mask][:, 0] == 0).all() and torch.isneginf(batch[topk.TOPK_LOGP][~mask][:, 1:]).all()
+    short = SimpleNamespace(rollout=pdmask.RolloutLogprobs(torch.zeros(1, 3)), response_mask=torch.ones(1, 3))
+    with pytest.raises(ValueError, match="completions carry no top-K"):
+        topk_batch_fields(short, 4)
+    topk_short = SimpleNamespace(
+        rollout=pdmask.RolloutLogprobs(torch.zeros(1, 3), torch.zeros(1, 3, 1, dtype=torch.long), torch.zeros(1, 3, 1)),
+        response_mask=torch.ones(1, 3),
+    )
+    with pytest.raises(ValueError, match=r"response_length=2 is shorter than the longest completion \(3 tokens\)"):
+        topk_batch_fields(topk_short, 2)

@@ -162,10 +162,11 @@ def save_tiny_llama(path: str, *, vocab_size: int = 64, seed: int = 0) -> str:
 
 
 def padded_batch(
-    prompts: list[list[int]], responses: list[list[int]], **response_fields: torch.Tensor
+    prompts: list[list[int]], responses: list[list[int]], response_length: int | None = None, **fields: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """verl's padded actor batch: prompts left-padded, responses right-padded, plus [B, R, ...] response fields."""
-    batch, p_len, r_len = len(prompts), max(map(len, prompts)), max(map(len, responses))
+    """verl's padded actor batch: prompts left-padded, responses right-padded to ``response_length`` (default the
+    longest), plus the given [B, response_length, ...] response fields."""
+    batch, p_len, r_len = len(prompts), max(map(len, prompts)), response_length or max(map(len, responses))
     prompt_ids = torch.zeros(batch, p_len, dtype=torch.long)
     response_ids = torch.zeros(batch, r_len, dtype=torch.long)
     attention = torch.zeros(batch, p_len + r_len, dtype=torch.long)
@@ -180,7 +181,7 @@ def padded_batch(
         "attention_mask": attention,
         "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
         "response_mask": attention[:, p_len:].clone(),
-        **response_fields,
+        **fields,
     }
 
 
