@@ -207,3 +207,35 @@ def test_arithmetic_task_parses_last_integer():
     assert task.score(p, say(f"The answer is {p.target}.")) == (1.0, True)
     assert task.score(p, say(f"{p.target + 1}")) == (0.0, False)
     assert task.score(p, say("no idea")) == (0.0, False)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp8_engine_on_a_hugging_face_model(tied):
+    transformers = pytest.importorskip("transformers")
+    from pdmask.lab.models import HFPolicy
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        tie_word_embeddings=tied,
+    )
+    policy = HFPolicy(transformers.LlamaForCausalLM(config).eval(), tokenizer=None)
+    engine = RolloutEngine(policy, "fp8", top_k_logprobs=5, return_full=True)
+    # q, k, v, o and the three MLP projections per layer; the (possibly tied) output embedding stays bf16.
+    assert sum(isinstance(m, FP8Linear) for m in engine.model.modules()) == 7 * 2
+    assert not isinstance(engine.model.lm_head, FP8Linear)
+    engine.sync(policy)
+    r = engine.generate(_prompts(3), 2, max_new_tokens=4, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trainer = torch.log_softmax(r.response_logits(policy(r.input_ids, r.attention_mask)), dim=-1)
+    tv = 0.5 * (trainer.exp() - r.full_logp.exp()).abs().sum(-1)[r.response_mask]
+    assert 0 < tv.max() < 0.5
