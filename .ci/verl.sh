@@ -10,4 +10,4 @@ pip install -q -e ".[verl,test]"
 # verl's v1 trainer (trainer_mode=pdmask_sync) imports its rollout stack, which verl's base requirements omit.
 pip install -q "TransferQueue>=0.1.10" pyzmq msgspec cachetools uvicorn fastapi torchtitan
 python -m pytest -q -p no:cacheprovider tests_verl
-if [ -f examples/verl_cpu_smoke.py ]; then python examples/verl_cpu_smoke.py; fi
+python examples/verl_cpu_smoke.py
