@@ -91,6 +91,12 @@ def test_same_loss_as_pdmask_core(binary_batch, method):
     assert metrics["actor/pdmask/mask/dropped_frac"] == pytest.approx(pdmask.mask_metrics(m, stats, adv, mask, keep, **t)["mask/dropped_frac"])
 
 
+@pytest.mark.parametrize("agg", AGG[:3])
+def test_pdmask_aggregation_equals_verls_in_one_process(binary_batch, agg):
+    _, _, loss_mat, mask = binary_batch
+    torch.testing.assert_close(pdmask.aggregate_loss(loss_mat, mask, agg), agg_loss(loss_mat, mask, agg))
+
+
 def test_agg_is_verls(binary_batch):
     """seq-mean-token-sum-norm: verl divides by (sequences × length); pdmask's own aggregate_loss by length alone."""
     old, new, adv, mask = binary_batch

@@ -1,4 +1,4 @@
-"""The DPPO-form policy loss with a trust-region mask, verl/TRL loss aggregation and metrics."""
+"""The DPPO-form policy loss with a trust-region mask, loss aggregation (verl's modes, one convention apart) and metrics."""
 
 from __future__ import annotations
 
@@ -57,12 +57,15 @@ def aggregate_loss(
     cu_seqlens: Tensor | None = None,
     norm_length: int | None = None,
 ) -> Tensor:
-    """Scalar loss from loss_mat [B, T] (or packed [N] / [1, N] with cu_seqlens [num_seqs + 1]), as verl's agg_loss.
+    """Scalar loss from loss_mat [B, T] (or packed [N] / [1, N] with cu_seqlens [num_seqs + 1]), by verl's mode names.
 
     token-mean: Σ loss / #tokens; seq-mean-token-sum: mean_s Σ_t; seq-mean-token-mean: mean_s mean_t;
     seq-mean-token-sum-norm (Dr. GRPO): Σ loss / norm_length, norm_length = T by default (the longest
-    sequence for packed input: pass norm_length to keep one constant). Like current verl, the seq-mean
-    modes average over sequences with at least one response token. Empty masks give 0, never NaN.
+    sequence for packed input: pass norm_length to keep one constant). The first three equal verl's
+    ``agg_loss`` in one process; seq-mean-token-sum-norm does not: it divides by the length alone, as
+    the DPPO research fork does, while verl >= 0.8 divides by (number of sequences × length)
+    (``pdmask.integrations.verl`` aggregates with verl's own ``agg_loss``; docs/verl.md). As in verl,
+    the seq-mean modes average over sequences with at least one response token. Empty masks give 0, never NaN.
     """
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}; got {agg!r}.")
