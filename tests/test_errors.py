@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_case, rollout_of
 
-from pdmask import RolloutLogprobs, policy_loss, policy_stats, trust_region_mask
+from pdmask import RolloutLogprobs, policy_loss, policy_stats, predicted_change, stats_from_set, trust_region_mask
 
 N, V, K = 6, 20, 4
 
@@ -128,3 +128,15 @@ def test_k_larger_than_vocab():
     z, logmu, a, _, _ = make_case(2, 3, 1)
     ids = torch.tensor([[0, 1, 2, 3]] * 2)
     expect(ValueError, "K = 4 top log-probs", policy_stats, z, a, rollout_of(logmu, a, ids, torch.full((2, 4), -5.0)))
+
+
+def test_uniform_estimator_without_what_it_needs():
+    z, logmu, a, ids, vals = make_case(N, V, K)
+    r = rollout_of(logmu, a, ids, vals).validated(a, V, torch.float64)
+    logsm = torch.log_softmax(z, -1)
+    set_logp = logsm.gather(-1, torch.cat([ids, a[:, None]], -1))
+    parts = stats_from_set(logsm.gather(-1, a[:, None]).squeeze(-1), a, r, set_logp, sq_norm=torch.ones(N))
+    expect(ValueError, r"pass stats_from_set\(..., vocab_size=V\)", predicted_change, parts, "kl", "uniform")
+    expect(ValueError, "vocab_size must be an int >= 5", stats_from_set, parts.logp, a, r, set_logp, vocab_size=3)
+    expect(ValueError, "needs topk information", trust_region_mask, "pdm_uniform_tv",
+           policy_stats(z, a, rollout_of(logmu, a)), torch.ones(N))

@@ -186,11 +186,16 @@ def run(args: argparse.Namespace) -> int:
         hidden_repeats = args.repeats or 2
         for cfg in track(hidden_grid, description="hidden-state rows", transient=True):
             hidden_rows.append(measure_hidden(cfg, hidden_repeats if "matmul_stats" in cfg.paths else 0, peak_bytes))
+            _write_json(args.json, rows, hidden_rows)  # row by row: a long grid keeps what it has measured
         render_hidden(hidden_rows)
-    if args.json:
-        with open(args.json, "w") as f:
+    _write_json(args.json, rows, hidden_rows)
+    return 0
+
+
+def _write_json(path: str | None, rows: list[Row], hidden_rows: list[HiddenRow]) -> None:
+    if path:
+        with open(path, "w") as f:
             f.write(dumps({
                 "logits": [asdict(r) | {"tail_vs_dppo_topk": r.tail_vs_dppo} for r in rows],
                 "hidden": [asdict(r) for r in hidden_rows],
             }, indent=1))
-    return 0
