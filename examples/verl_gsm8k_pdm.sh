@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GRPO on GSM8K with Qwen2.5-0.5B-Instruct on one GPU, trust region = pdmask's DPPO binary-TV mask.
+# NOT RUN in pdmask's CI or by its authors (no GPU there); it follows verl 0.9.1's own GSM8K GRPO recipe.
+# Setup: pip install 'pdmask[verl]' 'verl[vllm]==0.9.1'
+#        python examples/data_preprocess/gsm8k.py --local_save_dir ~/data/gsm8k   (in a clone of verl v0.9.1; not in the wheel)
+# pdmask registers its losses when verl is imported (entry point group verl.plugins): no code to add.
+set -euo pipefail
+DATA=${DATA:-$HOME/data/gsm8k}
+METHOD=${METHOD:-dppo_binary_tv}   # pdmask_<METHOD>: ppo_clip, pg_is, dppo_binary_tv or dppo_binary_kl
+DELTA=${DELTA:-0.15}               # δ_TV (use 0.05 for dppo_binary_kl); ε for ppo_clip
+
+python3 -m verl.trainer.main_ppo \
+    algorithm.adv_estimator=grpo \
+    algorithm.rollout_correction.bypass_mode=True \
+    data.train_files="$DATA/train.parquet" \
+    data.val_files="$DATA/test.parquet" \
+    data.train_batch_size=64 \
+    data.max_prompt_length=512 \
+    data.max_response_length=512 \
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct \
+    actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.actor.optim.lr=1e-6 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=16 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \
+    actor_rollout_ref.actor.policy_loss.loss_mode="pdmask_${METHOD}" \
+    actor_rollout_ref.actor.clip_ratio_low="$DELTA" \
+    actor_rollout_ref.actor.clip_ratio_high="$DELTA" \
+    actor_rollout_ref.actor.clip_ratio_c=10.0 \
+    actor_rollout_ref.actor.loss_agg_mode=token-mean \
+    actor_rollout_ref.actor.use_kl_loss=False \
+    actor_rollout_ref.rollout.name=vllm \
+    actor_rollout_ref.rollout.n=8 \
+    actor_rollout_ref.rollout.calculate_log_probs=True \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.5 \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
+    trainer.n_gpus_per_node=1 \
+    trainer.nnodes=1 \
+    trainer.total_epochs=3 \
+    trainer.logger='["console"]' \
+    trainer.project_name=pdmask \
+    trainer.experiment_name="gsm8k_qwen0.5b_${METHOD}" "$@"
