@@ -159,7 +159,7 @@ def mask_table(summary: dict, kind: str):
     """Unsafe keeps and wasted drops of every direction mask of one divergence (docs/analysis.md)."""
     from rich.table import Table
 
-    from pdmask.analysis.report import MASK_COLUMNS, mask_rows
+    from pdmask.analysis.report import MASK_COLUMNS, mask_rows, share_cell
 
     table = Table(
         title=f"{kind.upper()}: mask view beyond δ, % [95% CI, clustered by response] k/n", title_justify="left"
@@ -167,8 +167,7 @@ def mask_table(summary: dict, kind: str):
     for header in ("method", "D > δ / dropped\n(all tokens)", "beyond δ\nwith truth", *(h.replace(", ", "\n") for *_, h in MASK_COLUMNS)):
         table.add_column(header, justify="left" if header == "method" else "right")
     for name, acted, sampled, cells in mask_rows(summary, kind):
-        shares = ("—" if not c["n"] else f"{100 * c['rate']:.1f} [{100 * c['lo']:.0f}–{100 * c['hi']:.0f}] {c['k']}/{c['n']}" for c in cells)
-        table.add_row(name, acted, sampled, *shares)
+        table.add_row(name, acted, sampled, *(share_cell(c) for c in cells))
     return table
 
 

@@ -137,7 +137,8 @@ def _cell_md(cell: dict) -> str:
     return "—" if not cell["n"] else f"{_pct(cell)} n={cell['n']}"
 
 
-def _share_md(cell: dict) -> str:
+def share_cell(cell: dict) -> str:
+    """A mask-view share as 'rate% [lo–hi] k/n', or '—' where it is undefined."""
     return "—" if not cell["n"] else f"{_pct(cell)} {cell['k']}/{cell['n']}"
 
 
@@ -289,5 +290,5 @@ def _mask_md(summary: dict, kind: str) -> list[str]:
         "|---" * (len(MASK_COLUMNS) + 3) + "|",
     ]
     for name, acted, sampled, cells in mask_rows(summary, kind):
-        md += [f"| {name} | {acted} | {sampled} | " + " | ".join(_share_md(c) for c in cells) + " |"]
+        md += [f"| {name} | {acted} | {sampled} | " + " | ".join(share_cell(c) for c in cells) + " |"]
     return md + [""]
