@@ -145,3 +145,14 @@ def test_bad_input_is_one_line(binary_batch):
     nan_adv[0, 0] = float("nan")
     with pytest.raises(ValueError, match="advantages contain NaN"):
         loss_fn(old, new, nan_adv, mask, "token-mean", actor_config(), None)
+
+
+def test_ppo_clip_gradient_equals_verl_vanilla_but_past_the_dual_clip(binary_batch):
+    old, new, adv, mask = binary_batch
+    config = actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    _, grad, _ = _loss_and_grad("pdmask_ppo_clip", old, new, adv, mask, "token-mean", config)
+    _, ref, _ = _loss_and_grad("vanilla", old, new, adv, mask, "token-mean", config)
+    dual = (adv < 0) & ((new - old).exp() > 3.0) & mask
+    assert dual.any()
+    torch.testing.assert_close(grad[~dual], ref[~dual], rtol=1e-6, atol=1e-7)
+    assert (ref[dual] == 0).all() and (grad[dual] != 0).all()
