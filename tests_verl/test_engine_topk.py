@@ -14,7 +14,7 @@ from verl.workers.config import PolicyLossConfig
 from verl.workers.utils.padding import left_right_2_no_padding
 
 import pdmask
-from pdmask.integrations.verl import PDMLoss, enable_topk_forward, topk
+from pdmask.integrations.verl import PDMLoss, enable_topk_forward, losses, topk
 from pdmask.integrations.verl.cpu import build_actor_engine, padded_batch, save_tiny_llama
 from pdmask.integrations.verl.rollout import topk_batch_fields
 
@@ -95,8 +95,8 @@ def test_engine_loss_and_mask_equal_pdmask(engines, rollout_batch, monkeypatch, 
         seen.append((stats, adv, mask))
         return topk_masked(m, stats, adv, mask, agg, config, weights)
 
-    topk_masked = topk.masked_policy_loss
-    monkeypatch.setattr(topk, "masked_policy_loss", capture)
+    topk_masked = losses.masked_policy_loss
+    monkeypatch.setattr(losses, "masked_policy_loss", capture)
     out = engines[rmpad].infer_batch(_engine_data(batch, rmpad=rmpad), loss_function=PDMLoss(_config(method), top_k=K))
 
     mask = batch["response_mask"]

@@ -7,6 +7,7 @@ response mask, and nothing else, so only methods that need μ(a) alone can be on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,7 +96,9 @@ def masked_policy_loss(
     return loss, metrics
 
 
-def _binary_policy_loss(method: MaskMethod):
+def register(method: MaskMethod, stats_of: Callable[[Tensor, Tensor, Tensor], PolicyStats], doc: str) -> None:
+    """Registers ``pdmask_<method>`` with verl; ``stats_of(log_prob, old_log_prob, response_mask)`` gives its statistics."""
+
     def policy_loss(
         old_log_prob: Tensor,
         log_prob: Tensor,
@@ -105,15 +108,15 @@ def _binary_policy_loss(method: MaskMethod):
         config: Any = None,
         rollout_is_weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Any]]:
-        stats = binary_stats(log_prob, old_log_prob, response_mask)
+        stats = stats_of(log_prob, old_log_prob, response_mask)
         return masked_policy_loss(method, stats, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
 
     policy_loss.__name__ = policy_loss.__qualname__ = loss_name(method)
-    policy_loss.__doc__ = f"verl policy loss for pdmask's {method.name!r}: {method.description}"
-    return policy_loss
+    policy_loss.__doc__ = f"verl policy loss for pdmask's {method.name!r}{doc}: {method.description}"
+    register_policy_loss(loss_name(method))(policy_loss)
 
 
 for _name in BINARY_METHODS:
-    register_policy_loss(loss_name(_name))(_binary_policy_loss(METHODS[_name]))
+    register(METHODS[_name], binary_stats, "")
 
-__all__ = ["BINARY_METHODS", "binary_stats", "loss_name", "masked_policy_loss", "verl_thresholds"]
+__all__ = ["BINARY_METHODS", "binary_stats", "loss_name", "masked_policy_loss", "register", "verl_thresholds"]

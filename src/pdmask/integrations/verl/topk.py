@@ -12,7 +12,7 @@ loss ``pdmask_<method>`` takes these statistics and verl's log π(a) with its gr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -20,12 +20,11 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 from torch import Tensor
-from verl.trainer.ppo.core_algos import register_policy_loss
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
-from pdmask.integrations.verl.losses import loss_name, masked_policy_loss
+from pdmask.integrations.verl.losses import loss_name, register
 from pdmask.methods import METHODS, MaskMethod, get_method
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import PolicyStats, policy_stats
@@ -204,33 +203,22 @@ def _padded(x: Tensor) -> Tensor:
     return x.to_padded_tensor(0) if x.is_nested else x
 
 
-def _topk_policy_loss(method: MaskMethod):
-    def policy_loss(
-        old_log_prob: Tensor,
-        log_prob: Tensor,
-        advantages: Tensor,
-        response_mask: Tensor,
-        loss_agg_mode: str = "token-mean",
-        config: Any = None,
-        rollout_is_weights: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, Any]]:
+def _stats_under_pdm_loss(method: MaskMethod) -> Callable[[Tensor, Tensor, Tensor], PolicyStats]:
+    """The statistics ``PDMLoss`` computed for this micro-batch, with verl's log π(a) (and its gradient) in place."""
+
+    def stats_of(log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor) -> PolicyStats:
         stats = _current.get()
         if stats is None:
             raise RuntimeError(
                 f"{loss_name(method)} needs π at the rollout's top-K ids, which verl's default ppo_loss does not compute: "
                 "set the actor's loss function to pdmask.integrations.verl.PDMLoss(config) (docs/verl.md, top-K mode)."
             )
-        mask = response_mask.bool()
-        logp = torch.where(mask, log_prob.float(), 0.0)
-        stats = dataclasses.replace(stats, logp=logp)
-        return masked_policy_loss(method, stats, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+        return dataclasses.replace(stats, logp=torch.where(response_mask.bool(), log_prob.float(), 0.0))
 
-    policy_loss.__name__ = policy_loss.__qualname__ = loss_name(method)
-    policy_loss.__doc__ = f"verl policy loss for pdmask's {method.name!r} (top-K, under PDMLoss): {method.description}"
-    return policy_loss
+    return stats_of
 
 
 for _name in TOPK_METHODS:
-    register_policy_loss(loss_name(_name))(_topk_policy_loss(METHODS[_name]))
+    register(METHODS[_name], _stats_under_pdm_loss(METHODS[_name]), " (top-K, under PDMLoss)")
 
 __all__ = ["PDMLoss", "TOPK_IDS", "TOPK_LOGP", "TOPK_METHODS", "enable_topk_forward", "rollout_from_batch", "sampled_logp"]
