@@ -1,4 +1,4 @@
-"""Top-K methods through verl's own FSDP engine (CPU, gloo, world size 1) against pdmask.policy_loss on the same weights."""
+"""Top-K methods through verl's FSDP engine (CPU, gloo, world size 1) against pdmask.policy_loss on the same weights."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def engines(model_dir):
 
 @pytest.fixture(scope="module")
 def rollout_batch(model_dir):
-    """A padded verl batch whose μ is the model's own distribution at τ, perturbed, with its top-K; and the reference logits."""
+    """A padded verl batch, μ the model's distribution at τ perturbed, with its top K; and the reference logits."""
     g = torch.Generator().manual_seed(0)
     lengths = [(5, 6), (3, 4), (4, 1), (2, 5)]
     prompts = [torch.randint(4, 64, (p,), generator=g).tolist() for p, _ in lengths]
@@ -43,7 +43,9 @@ def rollout_batch(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
     p_len = batch["prompts"].shape[1]
     with torch.no_grad():
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+        out = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        )
     logits = out.logits[:, p_len - 1 : -1] / TAU  # the logits that predict each response token
     mu = torch.log_softmax(logits + 0.7 * torch.randn(logits.shape, generator=g), -1)
     # What pdmask's vLLM adapter returns (Completions), here from μ itself, up to the longest completion.
@@ -102,7 +104,9 @@ def test_engine_loss_and_mask_equal_pdmask(engines, rollout_batch, monkeypatch, 
     mask = batch["response_mask"]
     rollout = pdmask.RolloutLogprobs(batch["rollout_log_probs"], batch[topk.TOPK_IDS], batch[topk.TOPK_LOGP])
     thresholds = {"delta_low": DELTA, "delta_high": DELTA, "ratio_cap": 3.0}
-    ref, ref_metrics = pdmask.policy_loss(method, logits, batch["responses"], rollout, batch["advantages"], mask, **thresholds)
+    ref, ref_metrics = pdmask.policy_loss(
+        method, logits, batch["responses"], rollout, batch["advantages"], mask, **thresholds
+    )
     torch.testing.assert_close(torch.tensor(sum(out["loss"])), ref, rtol=1e-5, atol=1e-6)
 
     ref_stats = pdmask.policy_stats(logits, batch["responses"], rollout, response_mask=mask, need_uniform=True)
@@ -124,13 +128,15 @@ def test_engine_train_batch_steps(engines, rollout_batch):
     out = engine.train_batch(_engine_data(batch, rmpad=True), loss_function=PDMLoss(_config("pdm_tail_tv"), top_k=K))
     after = [p.detach().full_tensor() for p in engine.module.parameters()]
     assert torch.isfinite(torch.tensor(out["metrics"]["grad_norm"]))
-    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def test_engine_without_the_flag_names_the_fix(engines, rollout_batch):
     batch, _ = rollout_batch
     with pytest.raises(RuntimeError, match="enable_topk_forward"):
-        engines[True].infer_batch(_engine_data(batch, rmpad=True, flag=False), loss_function=PDMLoss(_config("pdm_tail_tv")))
+        engines[True].infer_batch(
+            _engine_data(batch, rmpad=True, flag=False), loss_function=PDMLoss(_config("pdm_tail_tv"))
+        )
 
 
 def test_bad_input_gives_one_line_errors(rollout_batch):
@@ -146,7 +152,9 @@ def test_bad_input_gives_one_line_errors(rollout_batch):
 
     x = batch["rollout_log_probs"]
     with pytest.raises(RuntimeError, match=r"PDMLoss\(config\)"):
-        get_policy_loss_fn("pdmask_pdm_tail_tv")(x, x, batch["advantages"], batch["response_mask"], "token-mean", _config("pdm_tail_tv"), None)
+        get_policy_loss_fn("pdmask_pdm_tail_tv")(
+            x, x, batch["advantages"], batch["response_mask"], "token-mean", _config("pdm_tail_tv"), None
+        )
     fused = TensorDict({}, batch_size=[])
     tu.assign_non_tensor(fused, use_fused_kernels=True)
     with pytest.raises(RuntimeError, match="use_fused_kernels=False"):

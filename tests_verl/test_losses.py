@@ -78,8 +78,11 @@ def test_same_loss_as_pdmask_core(binary_batch, method):
     loss, grad, metrics = _loss_and_grad(f"pdmask_{method}", old, new, adv, mask, "token-mean", config)
     m = pdmask.get_method(method)
     t = {"ratio_cap": 4.0} | (
-        {"eps_low": 0.2, "eps_high": 0.28} if m.rule == "ppo_clip" else {} if m.rule == "none" else
-        {"delta_low": 0.2, "delta_high": 0.28}
+        {"eps_low": 0.2, "eps_high": 0.28}
+        if m.rule == "ppo_clip"
+        else {}
+        if m.rule == "none"
+        else {"delta_low": 0.2, "delta_high": 0.28}
     )
     leaf = new.detach().clone().requires_grad_(True)
     stats = binary_stats(leaf, old, mask)
@@ -88,7 +91,9 @@ def test_same_loss_as_pdmask_core(binary_batch, method):
     ref.backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-6, atol=1e-7)
-    assert metrics["actor/pdmask/mask/dropped_frac"] == pytest.approx(pdmask.mask_metrics(m, stats, adv, mask, keep, **t)["mask/dropped_frac"])
+    assert metrics["actor/pdmask/mask/dropped_frac"] == pytest.approx(
+        pdmask.mask_metrics(m, stats, adv, mask, keep, **t)["mask/dropped_frac"]
+    )
 
 
 @pytest.mark.parametrize("agg", AGG[:3])

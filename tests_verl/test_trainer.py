@@ -1,4 +1,4 @@
-"""trainer.v1.trainer_mode=pdmask_sync: registered with verl's v1 trainer; its actor updates carry the processor flag."""
+"""trainer.v1.trainer_mode=pdmask_sync: registered with verl's v1 trainer; actor updates carry the processor flag."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-v1 = pytest.importorskip("verl.trainer.ppo.v1", reason="verl's v1 trainer needs TransferQueue, FastAPI, ... (.ci/verl.sh)")
+v1 = pytest.importorskip(
+    "verl.trainer.ppo.v1", reason="verl's v1 trainer needs TransferQueue, FastAPI, ... (.ci/verl.sh)"
+)
 
 
 def test_registered_as_a_verl_trainer_mode():

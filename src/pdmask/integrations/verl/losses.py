@@ -97,7 +97,7 @@ def masked_policy_loss(
 
 
 def register(method: MaskMethod, stats_of: Callable[[Tensor, Tensor, Tensor], PolicyStats], doc: str) -> None:
-    """Registers ``pdmask_<method>`` with verl; ``stats_of(log_prob, old_log_prob, response_mask)`` gives its statistics."""
+    """Registers ``pdmask_<method>`` with verl; stats: ``stats_of(log_prob, old_log_prob, response_mask)``."""
 
     def policy_loss(
         old_log_prob: Tensor,

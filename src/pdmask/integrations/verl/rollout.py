@@ -25,7 +25,9 @@ def topk_batch_fields(completions: Any, response_length: int) -> dict[str, Tenso
     """
     rollout = completions.rollout
     if rollout.topk_ids is None or rollout.topk_logp is None:
-        raise ValueError("completions carry no top-K: generate with logprobs=K (pdmask.integrations.vllm.sampling_params).")
+        raise ValueError(
+            "completions carry no top-K: generate with logprobs=K (pdmask.integrations.vllm.sampling_params)."
+        )
     width = rollout.topk_ids.shape[1]
     if not isinstance(response_length, int) or response_length < width:
         raise ValueError(

@@ -55,7 +55,8 @@ def rollout_from_batch(data: TensorDict, method: MaskMethod, top_k: int | None =
     missing = [key for key in (TOPK_IDS, TOPK_LOGP) if key not in data.keys()]
     if missing:
         raise ValueError(
-            f"{loss_name(method)} needs the rollout's top-K: the batch lacks {', '.join(missing)} [batch, response_len, K]. "
+            f"{loss_name(method)} needs the rollout's top-K: the batch lacks {', '.join(missing)} "
+            "[batch, response_len, K]. "
             "Add them at rollout time (pdmask.integrations.verl.rollout) or use a binary method (pdmask_dppo_binary_*)."
         )
     ids, logp = _padded(data[TOPK_IDS]), _padded(data[TOPK_LOGP])
@@ -104,12 +105,14 @@ class PDMLoss:
         if not any(key.startswith(_OUT) for key in model_output):
             fused = tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False)
             raise RuntimeError(
-                f"{loss_name(self.method)} reads π at the rollout's top-K ids from the logits, but verl's engine did not "
+                f"{loss_name(self.method)} reads π at the rollout's top-K ids from the logits, but verl's engine "
+                "did not "
                 "call PDMLoss on them: "
                 + (
                     "fused kernels never materialise the logits; set actor_rollout_ref.model.use_fused_kernels=False."
                     if fused
-                    else f"mark the actor batch with pdmask.integrations.verl.enable_topk_forward (flag {PROCESSOR_FLAG})."
+                    else "mark the actor batch with pdmask.integrations.verl.enable_topk_forward "
+                    f"(flag {PROCESSOR_FLAG})."
                 )
             )
         stats = self._stats(model_output, data)
@@ -171,7 +174,7 @@ class PDMLoss:
 
 
 def enable_topk_forward(data: TensorDict) -> TensorDict:
-    """Marks an actor batch so verl's FSDP engine calls ``PDMLoss`` on the logits (the flag ``distillation_use_topk``)."""
+    """Marks an actor batch so that verl's FSDP engine calls ``PDMLoss`` on the logits (``distillation_use_topk``)."""
     tu.assign_non_tensor(data, **{PROCESSOR_FLAG: True})
     return data
 
@@ -210,7 +213,8 @@ def _stats_under_pdm_loss(method: MaskMethod) -> Callable[[Tensor, Tensor, Tenso
         stats = _current.get()
         if stats is None:
             raise RuntimeError(
-                f"{loss_name(method)} needs π at the rollout's top-K ids, which verl's default ppo_loss does not compute: "
+                f"{loss_name(method)} needs π at the rollout's top-K ids, which verl's default ppo_loss does not "
+                "compute: "
                 "set the actor's loss function to pdmask.integrations.verl.PDMLoss(config) (docs/verl.md, top-K mode)."
             )
         return dataclasses.replace(stats, logp=torch.where(response_mask.bool(), log_prob.float(), 0.0))
@@ -221,4 +225,12 @@ def _stats_under_pdm_loss(method: MaskMethod) -> Callable[[Tensor, Tensor, Tenso
 for _name in TOPK_METHODS:
     register(METHODS[_name], _stats_under_pdm_loss(METHODS[_name]), " (top-K, under PDMLoss)")
 
-__all__ = ["PDMLoss", "TOPK_IDS", "TOPK_LOGP", "TOPK_METHODS", "enable_topk_forward", "rollout_from_batch", "sampled_logp"]
+__all__ = [
+    "PDMLoss",
+    "TOPK_IDS",
+    "TOPK_LOGP",
+    "TOPK_METHODS",
+    "enable_topk_forward",
+    "rollout_from_batch",
+    "sampled_logp",
+]
