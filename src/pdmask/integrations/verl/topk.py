@@ -105,9 +105,8 @@ class PDMLoss:
         if not any(key.startswith(_OUT) for key in model_output):
             fused = tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False)
             raise RuntimeError(
-                f"{loss_name(self.method)} reads π at the rollout's top-K ids from the logits, but verl's engine "
-                "did not "
-                "call PDMLoss on them: "
+                f"{loss_name(self.method)} reads π at the rollout's top-K ids from the logits, but verl's engine did "
+                "not call PDMLoss on them: "
                 + (
                     "fused kernels never materialise the logits; set actor_rollout_ref.model.use_fused_kernels=False."
                     if fused
