@@ -188,10 +188,12 @@ def pdm_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             parts.append(f"{pdm} and {dppo} gave identical runs on every seed (their masks never differed)")
         else:
             clear = "beyond" if d.excludes_zero else "within"
-            parts.append(f"{pdm} − {dppo} = {d.fmt(signed=True)} in final held-out accuracy ({clear} the seed spread)")
+            parts.append(f"{pdm} − {dppo} = {d.fmt(signed=True)} in final held-out accuracy, {clear} the seed spread")
     differed = any(not r["identical_runs"] and r["accuracy_diff"]["n"] >= 2 and _excludes(r) for r in rows.values())
     words = (
-        f"Did PDM differ from DPPO? {'Yes' if differed else 'Not measurably'}: " + "; ".join(parts) + " (paired 95% CI)."
+        f"Did PDM differ from DPPO? {'Yes' if differed else 'Not measurably'} (paired 95% CIs over seeds): "
+        + "; ".join(parts)
+        + "."
     )
     return {"pairs": rows, "differed": differed, "words": words}
 
