@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import PolicyLossConfig
+from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding
 
 import pdmask
@@ -79,11 +81,10 @@ def _engine_data(batch, *, rmpad, flag=True, **extra):
 
 
 def _config(method, agg="token-mean"):
+    """verl's actor config for ``pdmask_<method>`` (or verl's own ``dppo_tv``/``dppo_kl``)."""
+    mode = method if method in ("dppo_tv", "dppo_kl") else f"pdmask_{method}"
     return actor_config(
-        clip_ratio_low=DELTA,
-        clip_ratio_high=DELTA,
-        loss_agg_mode=agg,
-        policy_loss=PolicyLossConfig(loss_mode=f"pdmask_{method}"),
+        clip_ratio_low=DELTA, clip_ratio_high=DELTA, loss_agg_mode=agg, policy_loss=PolicyLossConfig(loss_mode=mode)
     )
 
 
@@ -177,3 +178,18 @@ def test_topk_batch_fields_pads_to_the_response_length(rollout_batch):
     )
     with pytest.raises(ValueError, match=r"response_length=2 is shorter than the longest completion \(3 tokens\)"):
         topk_batch_fields(topk_short, 2)
+
+
+@pytest.mark.parametrize("kind", ["tv", "kl"])
+def test_binary_loss_through_the_engine_equals_verls(engines, rollout_batch, kind):
+    """verl's own ppo_loss with loss_mode pdmask_dppo_binary_* vs dppo_*: the binary path needs no PDMLoss."""
+    batch, _ = rollout_batch
+    losses = [
+        sum(
+            engines[True].infer_batch(
+                _engine_data(batch, rmpad=True, flag=False), loss_function=partial(ppo_loss, config=_config(name))
+            )["loss"]
+        )
+        for name in (f"dppo_binary_{kind}", f"dppo_{kind}")
+    ]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
