@@ -126,6 +126,19 @@ def test_config_rejects_bad_combinations(tmp_path) -> None:
         make_config(tmp_path, "pdm_tail_tv", generation_kwargs={"top_p": 0.5})
 
 
+def test_config_with_vllm(tmp_path) -> None:
+    """use_vllm=True (run in tests_vllm/): TRL's IS correction off for the masks, full μ and K > 20 refused."""
+    config = make_config(tmp_path, "dppo_topk_tv", use_vllm=True)
+    assert not config.vllm_importance_sampling_correction and (config.epsilon, config.epsilon_high) == (1.0, math.inf)
+    assert make_config(tmp_path, "ppo_clip", use_vllm=True).vllm_importance_sampling_correction
+    with pytest.raises(NotImplementedError, match="needs all of μ, but vLLM returns its top K"):
+        make_config(tmp_path, "pdm_full_tv", use_vllm=True)
+    with pytest.raises(ValueError, match="max_logprobs=20"):
+        make_config(tmp_path, "pdm_tail_tv", use_vllm=True, mask_top_k=30)
+    with pytest.raises(NotImplementedError, match="continuous batching"):
+        make_config(tmp_path, "pdm_tail_tv", use_transformers_continuous_batching=True)
+
+
 def train(tmp_path, mask_method: str, spy=None):
     model = tiny_llama()
     initial = copy.deepcopy(model)

@@ -22,25 +22,25 @@ K = 5
 VOCAB = 512
 
 
-def tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:
+def tiny_llama(seed: int = 0, **overrides) -> transformers.LlamaForCausalLM:
     """Head size 64 (a size vLLM's CPU attention supports); a wide init so μ is peaked enough that the sampled
-    token falls both inside and outside the top K."""
+    token falls both inside and outside the top K. ``overrides``: LlamaConfig fields."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    fields = {
+        "vocab_size": VOCAB,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**(fields | overrides))).eval()
 
 
 @pytest.fixture(scope="session")

@@ -103,3 +103,20 @@ def test_refuses_bad_settings(policy) -> None:
         VLLMEngine(policy, "fp8")
     with pytest.raises(ValueError, match="not TinyGPT"):
         VLLMEngine(torch.nn.Linear(2, 2), "fp32")
+
+
+def test_config_validates_engine() -> None:
+    from pdmask.lab.config import PRESETS, ConfigError, config_from
+
+    pretrained = {"model": "smollm2-135m", "task": "arithmetic", "heldout_size": 8, "engine": "vllm"}
+    assert config_from(pretrained).engine == "vllm"
+    assert PRESETS["vllm"].validate().base.engine == "vllm"
+    for changes, message in (
+        ({"engine": "sglang"}, "engine: must be 'local' or 'vllm'"),
+        ({"engine": "vllm"}, "engine: vllm serves pretrained models"),
+        (pretrained | {"rollout_dtype": "fp8"}, "engine=vllm runs fp32, bf16 or fp16"),
+        (pretrained | {"method": "pdm_full_tv"}, "needs all of μ but vLLM returns its top K"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            config_from(changes)
+    config_from(pretrained | {"method": "pdm_full_tv", "mu": "recompute"})

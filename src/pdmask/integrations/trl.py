@@ -4,8 +4,10 @@
 ``PDMTrainer`` is TRL's ``GRPOTrainer`` with that trust region. Datasets, rewards, advantages, loss
 aggregation, KL and entropy terms, logging and distribution all stay TRL's. What it adds:
 
-- rollout side: a forward hook on the policy records, at every step of TRL's transformers ``generate``,
-  log μ(a) and the top-K log-probs of μ = softmax(z/τ) (or all of μ for the ``*_full`` methods);
+- rollout side: with TRL's transformers ``generate``, a forward hook on the policy records at every step
+  log μ(a) and the top-K log-probs of μ = softmax(z/τ) (or all of μ for the ``*_full`` methods); with
+  ``use_vllm=True``, TRL's vLLM generation is asked for ``logprobs=K`` (processed log-probs) and
+  ``pdmask.integrations.vllm.completions_from_lists`` reads log μ(a) and μ's top K from its answer;
 - loss side: in the scoring forward TRL already runs, ‖π‖² comes from TRL's fused LM head
   (``log_sum_sq_probs``) and π at S = TopK(μ) ∪ {a} from K+1 gathered rows of the LM head, so no
   [batch, length, vocab] tensor is built. pdmask computes the mask M and the per-token weight
@@ -14,7 +16,8 @@ aggregation, KL and entropy terms, logging and distribution all stay TRL's. What
   TRL applies is exactly −w·∇log π(a), the gradient of pdmask's DPPO-form surrogate.
 
 Overridden ``GRPOTrainer`` methods (each calls TRL's own): ``_generate_and_score_completions``,
-``_compute_loss`` and ``_get_per_token_logps_and_entropies``.
+``_compute_loss`` and ``_get_per_token_logps_and_entropies``; with vLLM, the instance's
+``vllm_generation.generate`` is wrapped.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ _LOGIT_TRANSFORMS = (
     "lm_head_multiplier",
     "logits_scaling",
 )
+#: vLLM's default ``max_logprobs``, which TRL's colocated engine keeps.
+VLLM_MAX_LOGPROBS = 20
 #: Memory budget for the float32 temporaries of one chunk of LM-head rows.
 _CHUNK_BYTES = 64 << 20
 
@@ -130,11 +135,24 @@ class PDMConfig(GRPOConfig):
                     f"epsilon, epsilon_high and delta are PPO-clip settings; with mask_method={method.name!r} the "
                     "mask replaces the clip. Leave them unset and use delta_low, delta_high and ratio_cap."
                 )
-            if self.use_vllm or self.use_transformers_continuous_batching:
+            if self.use_transformers_continuous_batching:
                 raise NotImplementedError(
-                    f"mask_method={method.name!r} records the rollout policy in TRL's transformers `generate` path "
-                    "only; vLLM (logprobs=K) and continuous batching are not supported yet. Use ppo_clip there."
+                    f"mask_method={method.name!r} records the rollout policy in TRL's transformers `generate` or vLLM "
+                    "path; continuous batching is not supported yet. Use ppo_clip there."
                 )
+            if self.use_vllm:
+                if method.needs == "full":
+                    raise NotImplementedError(
+                        f"mask_method={method.name!r} needs all of μ, but vLLM returns its top K: use a top-K method "
+                        "(pdm_tail_*, dppo_topk_*) with use_vllm=True."
+                    )
+                if self.vllm_mode == "colocate" and self.mask_top_k > VLLM_MAX_LOGPROBS:
+                    raise ValueError(
+                        f"mask_top_k={self.mask_top_k}: TRL starts its colocated vLLM with max_logprobs="
+                        f"{VLLM_MAX_LOGPROBS}; use mask_top_k <= {VLLM_MAX_LOGPROBS}."
+                    )
+                # pdmask's ratio is already π/μ against vLLM's μ; TRL's correction would apply a second one.
+                self.vllm_importance_sampling_correction = False
             # The clip band [1 - 1, 1 + inf) contains every ratio, so TRL's loss becomes -r·A.
             self.epsilon, self.epsilon_high = 1.0, math.inf
             reshaping = {"top_k", "top_p", "min_p", "repetition_penalty", "suppress_tokens", "bad_words_ids"}
@@ -187,6 +205,9 @@ class PDMTrainer(GRPOTrainer):
         self._policy = cast(PreTrainedModel, model.get_base_model() if is_peft_model(model) else model)
         self._top_k = args.mask_top_k
         self._pending: _LateInputs | None = None
+        self._vllm: _VLLMRecorder | None = None
+        if args.use_vllm and method.rule != "ppo_clip":
+            self._vllm = _VLLMRecorder(self.vllm_generation, self._top_k, self.temperature, args.vllm_mode)
         if method.needs != "binary":
             if not isinstance(self._policy.get_output_embeddings(), torch.nn.Linear):
                 raise NotImplementedError(
@@ -213,6 +234,11 @@ class PDMTrainer(GRPOTrainer):
         """TRL's generation and scoring, plus μ at every completion token ([B, T], [B, T, K] or [B, T, V])."""
         if self.mask_method.rule == "ppo_clip":
             return super()._generate_and_score_completions(inputs)
+        if self._vllm is not None:
+            self._vllm.pending.clear()
+            output = super()._generate_and_score_completions(inputs)
+            output.update(self._vllm.finish(output["completion_ids"], output["completion_mask"]))
+            return output
         recorder = _RolloutRecorder(self.temperature, self._top_k, full=self.mask_method.needs == "full")
         handle = self._policy.register_forward_hook(recorder, with_kwargs=True)
         try:
@@ -454,6 +480,53 @@ class _RolloutRecorder:
         }
 
 
+class _VLLMRecorder:
+    """Wraps TRL's ``VLLMGeneration.generate`` so that it asks for ``logprobs=K`` and keeps μ's top K.
+
+    TRL keeps the first entry of each position's log-probs as the sampled token's (right for
+    ``logprobs=0`` only): the wrapper hands TRL log μ(a) there, read by ``completions_from_lists``.
+    """
+
+    def __init__(self, generation: Any, top_k: int, temperature: float, mode: str) -> None:
+        from pdmask.integrations.vllm import check_logprobs_mode, completions_from_lists
+
+        if mode == "server" and getattr(generation, "vllm_client", None) is not None:
+            info = generation.vllm_client.get_server_info()
+            check_logprobs_mode(info["model_config"]["logprobs_mode"], temperature)
+        self._convert, self.top_k = completions_from_lists, top_k
+        self.pending: list[Any] = []  # Completions of the generation calls of one batch
+        self._generate = generation.generate
+        generation.logprobs = top_k
+        generation.generate = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, list, None]:
+        prompt_ids, completion_ids, logprobs, token_ids = self._generate(*args, **kwargs)
+        if logprobs is None or token_ids is None:
+            raise RuntimeError("TRL's vLLM generation returned no log-probs; PDMTrainer needs logprobs=K from vLLM.")
+        done = self._convert(completion_ids, token_ids, logprobs, self.top_k)
+        self.pending.append(done)
+        sampled = [[[x] for x in row[: len(ids)].tolist()] for row, ids in zip(done.rollout.logp, completion_ids)]
+        return prompt_ids, completion_ids, sampled, None
+
+    def finish(self, completion_ids: Tensor, completion_mask: Tensor) -> dict[str, Tensor]:
+        """The recorded μ aligned to TRL's completions [B, T]."""
+        if len(self.pending) != 1:
+            raise RuntimeError(f"expected one vLLM generation per batch, recorded {len(self.pending)}.")
+        done = self.pending.pop()
+        (rows, steps), width = done.tokens.shape, completion_ids.shape[1]
+        if rows != completion_ids.shape[0] or steps > width:
+            raise RuntimeError(f"vLLM returned {rows} x {steps} tokens for TRL's completions {tuple(completion_ids.shape)}.")
+        kept = completion_mask[:, :steps].bool().cpu() & done.response_mask
+        if (done.tokens != completion_ids[:, :steps].cpu())[kept].any():
+            raise RuntimeError("vLLM's tokens do not line up with TRL's completion tokens.")
+        pad, device = width - steps, completion_ids.device
+        return {  # columns past vLLM's longest completion are padding, neutralised before use
+            "pdm_rollout_logps": torch.nn.functional.pad(done.rollout.logp, (0, pad)).to(device),
+            "pdm_topk_ids": _pad_steps(done.rollout.topk_ids, pad, 0).to(device),
+            "pdm_topk_logps": _pad_steps(done.rollout.topk_logp, pad, 0.0).to(device),
+        }
+
+
 def _pad_steps(x: Tensor, pad: int, value: float) -> Tensor:
     """Pads [B, steps, C] to [B, steps + pad, C] with ``value``."""
     return torch.nn.functional.pad(x, (0, 0, 0, pad), value=value)
@@ -509,4 +582,4 @@ def _head_logits_at(head: torch.nn.Linear, hidden: Tensor, ids: Tensor) -> Tenso
     return out.reshape(ids.shape)
 
 
-__all__ = ["LOSS_TYPES", "TRL_MAX", "TRL_MIN", "PDMConfig", "PDMTrainer", "check_trl_version"]
+__all__ = ["LOSS_TYPES", "TRL_MAX", "TRL_MIN", "VLLM_MAX_LOGPROBS", "PDMConfig", "PDMTrainer", "check_trl_version"]
