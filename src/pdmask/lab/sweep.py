@@ -55,6 +55,14 @@ def _cost(cfg: Config) -> float:
     return cfg.steps * cfg.batch_size * (cfg.epochs + 1) * proxy
 
 
+def _children_cpu() -> float:
+    """CPU seconds used by finished worker processes (on a shared machine, the part of the wall time that is ours)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _count_rows(path: Path) -> int:
     try:
         with open(path / "metrics.jsonl", "rb") as f:
@@ -86,7 +94,7 @@ def estimate_seconds(sweep: Sweep, workers: int, probe_steps: int = 2) -> float:
 
 
 def run_sweep(sweep: Sweep, out: Path, workers: int, fresh: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Run (or finish) every run of the sweep in ``out``; returns {"wall_time_s", "reused", "failed"}."""
+    """Run (or finish) every run of the sweep in ``out``; returns {"wall_time_s", "cpu_time_s", "runs", "reused", "failed"}."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -108,7 +116,7 @@ def run_sweep(sweep: Sweep, out: Path, workers: int, fresh: bool = False, progre
     for c in todo:
         if not is_pretrained(c.model) and c.sft_steps > 0 and not sft_path(c).exists():
             sft_todo.setdefault(c.sft_key(), c)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu()
     failed: list[str] = []
     ctx = get_context("spawn")  # fork would copy torch's thread pools
     columns = (
@@ -138,6 +146,7 @@ def run_sweep(sweep: Sweep, out: Path, workers: int, fresh: bool = False, progre
             time.sleep(0.25)
     return {
         "wall_time_s": time.perf_counter() - t0,
+        "cpu_time_s": _children_cpu() - cpu0,
         "runs": len(configs),
         "reused": len(configs) - len(todo),
         "failed": failed,
