@@ -45,7 +45,7 @@ def test_sweep_report_and_reuse(tmp_path):
     base = TINY.replace(steps=2, eval_every=1)
     sweep = Sweep(base, ("pg_is", "pdm_tail_tv"), (0, 1), ("tiny",), ("bf16",), "test sweep")
     info = run_sweep(sweep, tmp_path, workers=1, progress=False)
-    assert info["failed"] == [] and info["reused"] == 0
+    assert info["failed"] == [] and info["reused"] == 0 and info["cpu_time_s"] > 0
     report = write_report(sweep, tmp_path, "test", info | {"workers": 1})
     setting = report["settings"]["tiny-bf16"]
     assert set(setting["methods"]) == {"pg_is", "pdm_tail_tv"}
@@ -54,7 +54,7 @@ def test_sweep_report_and_reuse(tmp_path):
     for rel in setting["plots"]:
         assert (tmp_path / rel).stat().st_size > 1000
     md = (tmp_path / "report.md").read_text()
-    assert "| method |" in md and "Summary" in md and "Did the trust region matter?" in md
+    assert "| method |" in md and "Summary" in md and "Did the trust region matter?" in md and "CPU seconds" in md
     assert "tail masks differ" in md
     assert setting["questions"]["trust_region"]["best_masked"] == "pdm_tail_tv"
     assert json.loads((tmp_path / "report.json").read_text())["run"]["runs_analysed"] == 4
