@@ -34,7 +34,7 @@ def summary_table(setting: dict[str, Any]) -> str:
             f"{e['dropped_frac_pos']['mean']:.3%} / {e['dropped_frac_neg']['mean']:.3%} | "
             f"{e['mismatch_tv_mean']['mean']:.4f} / {e['mismatch_tv_max']['mean']:.3f} / {e['mismatch_growth']['mean']:+.4f} | "
             f"{e['div_mean']['mean']:.4f} / {e['div_max']['mean']:.3f} | "
-            f"{e['direction_disagree_frac']['mean']:.1%} | {e['tail_masks_differ_frac']['mean']:.2%} | {delta} |"
+            f"{e['direction_disagree_frac']['mean']:.1%} | {e['tail_masks_differ_frac']['mean']:.3%} | {delta} |"
         )
     return "\n".join(lines)
 

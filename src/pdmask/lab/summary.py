@@ -216,7 +216,7 @@ def tail_words(methods: dict[str, dict[str, Any]]) -> str:
     differ = sum(e["tail_masks_differ_frac"]["mean"] for e in methods.values()) / len(methods)
     rest = sum(e["pi_rest_mean"]["mean"] for e in methods.values()) / len(methods)
     return (
-        f"The top-K predictive estimators' masks (bucket, tail, uniform where available) differed on {differ:.2%} of "
+        f"The top-K predictive estimators' masks (bucket, tail, uniform where available) differed on {differ:.3%} of "
         f"response tokens on average; π kept {rest:.2%} of its mass outside TopK(μ) ∪ {{a}}."
     )
 
