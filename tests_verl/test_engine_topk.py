@@ -7,77 +7,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import actor_config
+from conftest import DELTA, K, actor_config, engine_data
 from tensordict import TensorDict
-from transformers import AutoModelForCausalLM
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss
-from verl.workers.utils.padding import left_right_2_no_padding
 
 import pdmask
-from pdmask.integrations.verl import PDMLoss, enable_topk_forward, losses, topk
-from pdmask.integrations.verl.cpu import build_actor_engine, padded_batch, save_tiny_llama
+from pdmask.integrations.verl import PDMLoss, losses, topk
+from pdmask.integrations.verl.cpu import build_actor_engine
 from pdmask.integrations.verl.rollout import topk_batch_fields
-
-K, TAU, DELTA = 4, 0.8, 0.1
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
 
 
 @pytest.fixture(scope="module")
 def engines(model_dir):
     return {rmpad: build_actor_engine(model_dir, use_remove_padding=rmpad) for rmpad in (True, False)}
-
-
-@pytest.fixture(scope="module")
-def rollout_batch(model_dir):
-    """A padded verl batch, μ the model's distribution at τ perturbed, with its top K; and the reference logits."""
-    g = torch.Generator().manual_seed(0)
-    lengths = [(5, 6), (3, 4), (4, 1), (2, 5)]
-    prompts = [torch.randint(4, 64, (p,), generator=g).tolist() for p, _ in lengths]
-    responses = [torch.randint(4, 64, (r,), generator=g).tolist() for _, r in lengths]
-    width = 7  # verl pads every response to rollout.response_length
-    batch = padded_batch(prompts, responses, response_length=width)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
-    p_len = batch["prompts"].shape[1]
-    with torch.no_grad():
-        out = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-        )
-    logits = out.logits[:, p_len - 1 : -1] / TAU  # the logits that predict each response token
-    mu = torch.log_softmax(logits + 0.7 * torch.randn(logits.shape, generator=g), -1)
-    # What pdmask's vLLM adapter returns (Completions), here from μ itself, up to the longest completion.
-    longest = max(r for _, r in lengths)
-    mask = batch["response_mask"][:, :longest].bool()
-    top_logp, top_ids = mu[:, :longest].topk(K, -1)
-    tokens = batch["responses"][:, :longest]
-    sampled = mu[:, :longest].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    completions = SimpleNamespace(
-        tokens=tokens, rollout=pdmask.RolloutLogprobs(sampled, top_ids, top_logp).masked(mask), response_mask=mask
-    )
-    fields = topk_batch_fields(completions, width)
-    adv = torch.randn(len(lengths), generator=g).unsqueeze(1) * batch["response_mask"]
-    batch |= fields | {"old_log_probs": fields["rollout_log_probs"], "advantages": adv}
-    return batch, logits
-
-
-def _engine_data(batch, *, rmpad, flag=True, **extra):
-    td = left_right_2_no_padding(TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]]))
-    tu.assign_non_tensor(
-        td,
-        temperature=TAU,
-        use_remove_padding=rmpad,
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=2,
-        use_fused_kernels=False,
-        global_batch_size=td.batch_size[0],
-        **extra,
-    )
-    return enable_topk_forward(td) if flag else td
 
 
 def _config(method, agg="token-mean"):
@@ -100,7 +44,7 @@ def test_engine_loss_and_mask_equal_pdmask(engines, rollout_batch, monkeypatch, 
 
     topk_masked = losses.masked_policy_loss
     monkeypatch.setattr(losses, "masked_policy_loss", capture)
-    out = engines[rmpad].infer_batch(_engine_data(batch, rmpad=rmpad), loss_function=PDMLoss(_config(method), top_k=K))
+    out = engines[rmpad].infer_batch(engine_data(batch, rmpad=rmpad), loss_function=PDMLoss(_config(method), top_k=K))
 
     mask = batch["response_mask"]
     rollout = pdmask.RolloutLogprobs(batch["rollout_log_probs"], batch[topk.TOPK_IDS], batch[topk.TOPK_LOGP])
@@ -126,7 +70,7 @@ def test_engine_train_batch_steps(engines, rollout_batch):
     batch, _ = rollout_batch
     engine = engines[True]
     before = [p.detach().full_tensor().clone() for p in engine.module.parameters()]
-    out = engine.train_batch(_engine_data(batch, rmpad=True), loss_function=PDMLoss(_config("pdm_tail_tv"), top_k=K))
+    out = engine.train_batch(engine_data(batch, rmpad=True), loss_function=PDMLoss(_config("pdm_tail_tv"), top_k=K))
     after = [p.detach().full_tensor() for p in engine.module.parameters()]
     assert torch.isfinite(torch.tensor(out["metrics"]["grad_norm"]))
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
@@ -136,7 +80,7 @@ def test_engine_without_the_flag_names_the_fix(engines, rollout_batch):
     batch, _ = rollout_batch
     with pytest.raises(RuntimeError, match="enable_topk_forward"):
         engines[True].infer_batch(
-            _engine_data(batch, rmpad=True, flag=False), loss_function=PDMLoss(_config("pdm_tail_tv"))
+            engine_data(batch, rmpad=True, flag=False), loss_function=PDMLoss(_config("pdm_tail_tv"))
         )
 
 
@@ -187,7 +131,7 @@ def test_binary_loss_through_the_engine_equals_verls(engines, rollout_batch, kin
     losses = [
         sum(
             engines[True].infer_batch(
-                _engine_data(batch, rmpad=True, flag=False), loss_function=partial(ppo_loss, config=_config(name))
+                engine_data(batch, rmpad=True, flag=False), loss_function=partial(ppo_loss, config=_config(name))
             )["loss"]
         )
         for name in (f"dppo_binary_{kind}", f"dppo_{kind}")

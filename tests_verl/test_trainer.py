@@ -5,7 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from conftest import DELTA, TAU, engine_data
 from omegaconf import OmegaConf
+
+from pdmask.integrations.verl import PDMLoss
 
 v1 = pytest.importorskip(
     "verl.trainer.ppo.v1", reason="verl's v1 trainer needs TransferQueue, FastAPI, ... (.ci/verl.sh)"
@@ -51,3 +54,64 @@ def test_actor_updates_carry_the_processor_flag():
     assert sent == [sent[0]] and sent[0]["distillation_use_topk"] is True and sent[0]["distillation_only"] is False
     assert trainer.actor_rollout_wg is workers
     assert metrics["perf/mfu/actor"] == 0.5
+
+
+def test_trainer_mode_trains_through_verls_training_worker(model_dir, rollout_batch):
+    """on_init_end and _update_actor of PDMTrainerSync against verl's own TrainingWorker (called directly, no Ray):
+    the loss function it sets and the non-tensor keys it sends (as verl's TransferQueue layer applies them)."""
+    from verl.utils import tensordict_utils as tu
+
+    from pdmask.integrations.verl.cpu import build_training_worker
+    from pdmask.integrations.verl.trainer import PDMTrainerSync
+
+    worker = build_training_worker(model_dir, use_remove_padding=True)
+    batch, _ = rollout_batch
+    metrics_sent = []
+
+    class Workers:  # the actor worker group: set_loss_fn and update_actor, as ActorRolloutRefWorker forwards them
+        def set_loss_fn(self, loss_fn):
+            worker.set_loss_fn(loss_fn)
+
+        def update_actor(self, meta):
+            data = engine_data(batch, rmpad=True, flag=False)
+            tu.assign_non_tensor(data, **meta.extra_info)
+            out = tu.get(worker.train_mini_batch(data), "metrics")
+            metrics_sent.append(out)
+            return {"metrics": out}
+
+    trainer = PDMTrainerSync.__new__(PDMTrainerSync)
+    trainer.config = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "actor": {
+                    "_target_": "verl.workers.config.ActorConfig",
+                    "strategy": "fsdp2",
+                    "rollout_n": 2,
+                    "ppo_mini_batch_size": 2,
+                    "ppo_micro_batch_size_per_gpu": 2,
+                    "clip_ratio_low": DELTA,
+                    "clip_ratio_high": DELTA,
+                    "policy_loss": {
+                        "_target_": "verl.workers.config.PolicyLossConfig",
+                        "loss_mode": "pdmask_pdm_tail_tv",
+                    },
+                    "calculate_entropy": False,
+                    "entropy_coeff": 0.0,
+                    "ppo_epochs": 1,
+                    "data_loader_seed": 0,
+                    "shuffle": False,
+                },
+                "rollout": {"n": 2, "temperature": TAU},
+            }
+        }
+    )
+    trainer.checkpoint_manager = SimpleNamespace(update_weights=lambda step: None)
+    trainer.global_steps = 0
+    trainer.actor_rollout_wg = Workers()
+    trainer.on_init_end()
+    assert isinstance(worker.loss_fn, PDMLoss) and worker.loss_fn.method.name == "pdm_tail_tv"
+    metrics: dict = {}
+    trainer._update_actor(SimpleNamespace(extra_info={}), metrics)
+    assert 0 < metrics["actor/pdmask/mask/dropped_frac"] < 1
+    assert metrics["actor/pg_loss"] == pytest.approx(metrics["actor/loss"])  # no entropy or KL term
+    assert len(metrics_sent) == 1 and metrics["actor/loss"] != 0

@@ -28,7 +28,7 @@ class CPUPlatform(PlatformBase):
 
     @property
     def device_module(self) -> ModuleType:
-        return torch.cpu
+        return torch.cpu  # verl tests `device == torch.cpu` where the CPU needs other handling
 
     def is_available(self) -> bool:
         return True
@@ -91,47 +91,66 @@ class CPUPlatform(PlatformBase):
 
 
 def init_cpu_process_group() -> None:
-    """Installs ``CPUPlatform`` and a one-process gloo group (idempotent)."""
+    """Installs ``CPUPlatform`` and a one-process gloo group, with the environment verl's workers read (idempotent)."""
     set_platform(CPUPlatform())
+    # verl 0.9.1's TrainingWorker logs these after every step without its CPU guard; torch.cpu lacks them.
+    for name in ("max_memory_allocated", "max_memory_reserved"):
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda device=None: 0)
     # verl registers its FSDP engines for cuda/npu only; the same class runs on CPU.
-    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+    env = {"VERL_ENGINE_DEVICE": "cuda", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0"}
+    for key, value in (env | {"WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}).items():
+        os.environ.setdefault(key, value)
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+
+def actor_configs(model_path: str, *, use_remove_padding: bool, lr: float = 1e-3) -> dict[str, Any]:
+    """verl's model, engine (FSDP2, float32), optimizer and checkpoint configs for the model at ``model_path``."""
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+
+    return {
+        "model_config": HFModelConfig(
+            path=model_path, use_remove_padding=use_remove_padding, override_config={"attn_implementation": "sdpa"}
+        ),
+        "engine_config": FSDPEngineConfig(
+            strategy="fsdp2",
+            model_dtype="fp32",
+            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            use_torch_compile=False,
+            use_dynamic_bsz=False,
+            micro_batch_size_per_gpu=2,
+            max_token_len_per_gpu=4096,
+        ),
+        "optimizer_config": FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1e9),
+        "checkpoint_config": CheckpointConfig(),
+    }
 
 
 def build_actor_engine(model_path: str, *, use_remove_padding: bool, lr: float = 1e-3, seed: int = 0) -> Any:
     """verl's FSDP actor engine (``FSDPEngineWithLMHead``) for the Hugging Face model at ``model_path``, in float32."""
-    from verl.trainer.config.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
 
     init_cpu_process_group()
     torch.manual_seed(seed)
-    model_config = HFModelConfig(
-        path=model_path, use_remove_padding=use_remove_padding, override_config={"attn_implementation": "sdpa"}
-    )
-    engine_config = FSDPEngineConfig(
-        strategy="fsdp2",
-        model_dtype="fp32",
-        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-        use_torch_compile=False,
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=2,
-        max_token_len_per_gpu=4096,
-    )
-    optimizer_config = FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1e9)
-    engine = EngineRegistry.new(
-        model_type="language_model",
-        backend="fsdp2",
-        model_config=model_config,
-        engine_config=engine_config,
-        optimizer_config=optimizer_config,
-        checkpoint_config=CheckpointConfig(),
-    )
+    configs = actor_configs(model_path, use_remove_padding=use_remove_padding, lr=lr)
+    engine = EngineRegistry.new(model_type="language_model", backend="fsdp2", **configs)
     engine.initialize()
     return engine
+
+
+def build_training_worker(model_path: str, *, use_remove_padding: bool, lr: float = 1e-3, seed: int = 0) -> Any:
+    """verl's ``TrainingWorker`` (the actor side of its worker group, called directly rather than through Ray)."""
+    from verl.workers.config import TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    init_cpu_process_group()
+    torch.manual_seed(seed)
+    configs = actor_configs(model_path, use_remove_padding=use_remove_padding, lr=lr)
+    worker = TrainingWorker(TrainingWorkerConfig(model_type="language_model", **configs))
+    worker.reset()
+    return worker
 
 
 def save_tiny_llama(path: str, *, vocab_size: int = 64, seed: int = 0) -> str:
@@ -185,4 +204,12 @@ def padded_batch(
     }
 
 
-__all__ = ["CPUPlatform", "build_actor_engine", "init_cpu_process_group", "padded_batch", "save_tiny_llama"]
+__all__ = [
+    "CPUPlatform",
+    "actor_configs",
+    "build_actor_engine",
+    "build_training_worker",
+    "init_cpu_process_group",
+    "padded_batch",
+    "save_tiny_llama",
+]
