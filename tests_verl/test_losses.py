@@ -36,7 +36,7 @@ def test_import_verl_registers_the_losses():
 
 
 @pytest.mark.parametrize("kind", ["tv", "kl"])
-@pytest.mark.parametrize("agg", AGG)
+@pytest.mark.parametrize("agg", (*AGG, "token-sum"))  # token-sum: verl's mode, not pdmask's
 @pytest.mark.parametrize("global_info", [False, True])
 def test_dppo_binary_equals_verl_dppo(binary_batch, kind, agg, global_info):
     old, new, adv, mask = binary_batch
