@@ -49,9 +49,7 @@ def test_engine_loss_and_mask_equal_pdmask(engines, rollout_batch, monkeypatch, 
     mask = batch["response_mask"]
     rollout = pdmask.RolloutLogprobs(batch["rollout_log_probs"], batch[topk.TOPK_IDS], batch[topk.TOPK_LOGP])
     thresholds = {"delta_low": DELTA, "delta_high": DELTA, "ratio_cap": 3.0}
-    ref, ref_metrics = pdmask.policy_loss(
-        method, logits, batch["responses"], rollout, batch["advantages"], mask, **thresholds
-    )
+    ref, _ = pdmask.policy_loss(method, logits, batch["responses"], rollout, batch["advantages"], mask, **thresholds)
     torch.testing.assert_close(torch.tensor(sum(out["loss"])), ref, rtol=1e-5, atol=1e-6)
 
     ref_stats = pdmask.policy_stats(logits, batch["responses"], rollout, response_mask=mask, need_uniform=True)
