@@ -352,14 +352,14 @@ PRESETS: dict[str, Sweep] = {
         "(about 5 minutes on 2 idle cores, from its 517 CPU seconds).",
     ),
     "sizes": Sweep(
-        CALIBRATED.replace(steps=60),
+        CALIBRATED.replace(steps=40),
         SIZES_METHODS,
         (0, 1, 2),
         tuple(SIZES),
         ("bf16", "fp8"),
         "Three sizes x bf16/fp8 rollouts x 6 masks x 3 seeds; fewer steps for the larger models (about an hour on 2 cores).",
         {
-            "small": {"steps": 30},
+            "small": {"steps": 20},
             "medium": {"steps": 20, "prompts_per_step": 4, "minibatches": 2, "eval_every": 5},
         },
     ),
