@@ -70,6 +70,9 @@ def test_raw_logprobs_at_other_temperature_refused(llm) -> None:
     with pytest.raises(ValueError, match="raw_logprobs, taken before the temperature 0.7"):
         rollout_from_outputs(outputs, K, logprobs_mode="raw_logprobs", temperature=0.7)
     rollout_from_outputs(outputs, K, logprobs_mode="processed_logprobs", temperature=0.7)
+    with pytest.raises(ValueError, match="taken before the temperature None"):  # raw needs the temperature
+        rollout_from_outputs(outputs, K, logprobs_mode="raw_logprobs")
+    rollout_from_outputs(generate(llm, 1.0), K, logprobs_mode="raw_logprobs", temperature=1.0)
 
 
 def test_logits_modes_refused(llm) -> None:

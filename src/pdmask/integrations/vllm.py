@@ -112,11 +112,11 @@ def rollout_from_outputs(
 ) -> Completions:
     """``LLM.generate``'s outputs (any ``n`` per request) -> ``Completions`` (request order, then sample order).
 
-    ``logprobs_mode`` (the engine's, e.g. ``llm.llm_engine.model_config.logprobs_mode``) and
-    ``temperature`` (the requests'), when given, are checked: raw log-probs are only μ at temperature 1.
+    ``logprobs_mode`` (the engine's, e.g. ``llm.llm_engine.model_config.logprobs_mode``), when given, is
+    checked with ``temperature`` (the requests'): raw log-probs are μ only at temperature 1.
     """
     if logprobs_mode is not None:
-        check_logprobs_mode(logprobs_mode, 1.0 if temperature is None else temperature)
+        check_logprobs_mode(logprobs_mode, temperature)
     token_ids: list[Sequence[int]] = []
     entry_ids: list[list[list[int]]] = []
     entry_logps: list[list[list[float]]] = []
@@ -140,7 +140,7 @@ def rollout_from_outputs(
     return completions_from_lists(token_ids, entry_ids, entry_logps, top_k, sampled_ranks=ranks)
 
 
-def check_logprobs_mode(logprobs_mode: str, temperature: float) -> None:
+def check_logprobs_mode(logprobs_mode: str, temperature: float | None) -> None:
     """Refuses an engine ``logprobs_mode`` whose values are not μ = the sampler's distribution at ``temperature``."""
     if logprobs_mode.endswith("_logits"):
         raise ValueError(
@@ -149,8 +149,9 @@ def check_logprobs_mode(logprobs_mode: str, temperature: float) -> None:
         )
     if logprobs_mode == "raw_logprobs" and temperature != 1.0:
         raise ValueError(
-            f"the engine returns raw_logprobs, taken before the temperature {temperature}, so they are not μ: start it "
-            f"with logprobs_mode={PROCESSED!r} (pdmask.integrations.vllm.engine_kwargs)."
+            f"the engine returns raw_logprobs, taken before the temperature {temperature}, so they are μ only at "
+            f"temperature 1 (pass temperature=1.0 if so): start it with logprobs_mode={PROCESSED!r} "
+            "(pdmask.integrations.vllm.engine_kwargs)."
         )
     if logprobs_mode not in ("raw_logprobs", PROCESSED):
         raise ValueError(f"unknown logprobs_mode {logprobs_mode!r}; pdmask reads {PROCESSED!r}.")
