@@ -8,13 +8,13 @@ blocks again instead of keeping them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from pdmask.rollout import RolloutLogprobs
-from pdmask.stats import Accumulators, Buffers, PolicyStats, Prepared, normalised_sums, prepare, shifted_sums
+from pdmask.stats import Accumulators, Buffers, PolicyStats, Prepared, prepare, shifted_sums
 
 #: Default block of logits: rows × vocabulary ids (8 MiB of float32).
 BLOCK_ROWS = 1024
@@ -180,17 +180,13 @@ def _second_sweep(head: _Head, h: Tensor, sl: slice, prep: Prepared, acc: Accumu
 
 def _uniform_pass(head: _Head, flat: Tensor, prep: Prepared, acc: Accumulators) -> Tensor:
     """[2, ...] the uniform estimator's sums, by sweeping the blocks again."""
-    out = torch.zeros(2, prep.n, dtype=head.dtype, device=flat.device)
-    flat_u = prep.flat_even_mu
+    only = replace(acc, full=None, uniform=torch.zeros(2, prep.n, dtype=head.dtype, device=flat.device))
     with torch.no_grad():
         bufs = head.buffers(min(head.rows, max(prep.n, 1)), True)
         for sl in head.row_blocks(prep.n):
-            for v in head.vocab_blocks():
-                z = head.logits(flat[sl], v, bufs)
-                sums = normalised_sums(z, acc.lse[sl], _block_cols(prep.set_ids[sl], v), bufs, flat_u[sl], None)[1]
-                assert sums is not None
-                out[:, sl] += sums
-    return out.reshape((2,) + prep.shape)
+            _second_sweep(head, flat[sl], sl, prep, only, bufs)
+    assert only.uniform is not None
+    return only.uniform.reshape((2,) + prep.shape)
 
 
 class _HiddenLogProb(torch.autograd.Function):

@@ -8,7 +8,7 @@ materialised logits, where a block is a chunk of rows with the whole vocabulary,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -157,19 +157,20 @@ def policy_stats(
     logp = _GatherLogProb.apply(logits, prep.flat_tokens, acc.lse, rows)
     stats = acc.assemble(prep, logp)
     if stats.uniform_sums is None and stats.has_topk:
-        stats.uniform_pass = lambda: _uniform_pass(source, rows, prep, acc.lse)
+        stats.uniform_pass = lambda: _uniform_pass(source, rows, prep, acc)
     return stats
 
 
-def _uniform_pass(logits: Tensor, rows: int, prep: Prepared, lse: Tensor) -> Tensor:
+def _uniform_pass(logits: Tensor, rows: int, prep: Prepared, acc: Accumulators) -> Tensor:
     """[2, ...] the uniform estimator's sums by a second pass over the logits."""
-    out = torch.empty(2, prep.n, dtype=lse.dtype, device=lse.device)
+    only = replace(acc, full=None, uniform=torch.zeros(2, prep.n, dtype=acc.lse.dtype, device=acc.lse.device))
     flat_u = prep.flat_even_mu
     with torch.no_grad():
-        bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, lse.dtype, logits.device, True)
+        bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, acc.lse.dtype, logits.device, True)
         for sl, z in _upcast_chunks(logits, rows, bufs):
-            out[:, sl] = normalised_sums(z, lse[sl], prep.set_ids[sl], bufs, flat_u[sl], None)[1]
-    return out.reshape((2,) + prep.shape)
+            only.add_normalised(sl, z, bufs, prep.set_ids[sl], flat_u, None)
+    assert only.uniform is not None
+    return only.uniform.reshape((2,) + prep.shape)
 
 
 def stats_from_set(
