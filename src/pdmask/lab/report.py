@@ -119,9 +119,13 @@ def _markdown(report: dict[str, Any], settings: dict[str, Any], plots: dict[str,
             f"- Grid: {len(g['methods'])} methods × seeds {g['seeds']} × models {g['models']} × rollout precisions {g['rollout_dtypes']} "
             f"({info['runs_expected']} runs; {info['runs_analysed']} finished and analysed; {info['reused']} reused from an earlier invocation)."
         ),
-        f"- Wall time of this invocation: {info['wall_time_s']:.0f} s with {info['workers']} worker process(es) on {info['cpu_count']} CPUs; "
-        f"the runs used {info.get('cpu_time_s', float('nan')):.0f} CPU seconds (about the wall time × workers on an idle machine; "
-        "much less than that means other jobs shared the CPUs).",
+        f"- Wall time of this invocation: {info['wall_time_s']:.0f} s with {info['workers']} worker process(es) on {info['cpu_count']} CPUs"
+        + (
+            f"; the runs used {info['cpu_time_s']:.0f} CPU seconds (about the wall time × workers on an idle machine; "
+            "much less than that means other jobs shared the CPUs)."
+            if info.get("cpu_time_s") is not None
+            else "."
+        ),
         (
             f"- Shared by every run: task `{cfg['task']}` (length {cfg['task_length']}, {cfg['num_symbols']} symbols, {cfg['reward']} reward), "
             f"vocabulary {cfg['vocab_size']}, {cfg['steps']} RL steps of {cfg['prompts_per_step']} prompts × {cfg['group_size']} samples, "
