@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import tiny_llama_config
 
 from pdmask import RolloutLogprobs
 from pdmask.lab.engine import DTYPES, E4M3_MAX, FP8Linear, RolloutEngine, fake_quant_e4m3, left_pad, sample
@@ -215,19 +216,7 @@ def test_fp8_engine_on_a_hugging_face_model(tied):
     from pdmask.lab.models import HFPolicy
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=48,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        bos_token_id=None,
-        tie_word_embeddings=tied,
-    )
+    config = tiny_llama_config(48, tied=tied, pad_id=PAD, eos_id=EOS)
     policy = HFPolicy(transformers.LlamaForCausalLM(config).eval(), tokenizer=None)
     engine = RolloutEngine(policy, "fp8", top_k_logprobs=5, return_full=True)
     # q, k, v, o and the three MLP projections per layer; the (possibly tied) output embedding stays bf16.
