@@ -349,7 +349,7 @@ PRESETS: dict[str, Sweep] = {
         ("tiny",),
         ("fp8",),
         f"{len(DEFAULT_METHODS)} masks x 4 seeds on the tiny policy with FP8 rollouts, the calibrated setting "
-        "(about 5 minutes on 2 idle cores, from its 517 CPU seconds).",
+        "(about 3 minutes on 2 idle cores).",
     ),
     "sizes": Sweep(
         CALIBRATED.replace(steps=40),
