@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="pdmask", description="Predictive divergence masks for trust-region RL.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    # Only the chosen subcommand's module is imported, so `pdmask bench` never loads transformers.
+    # Only the chosen subcommand's module is imported, so one command never pays another's imports.
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, module_name in COMMANDS.items():
         if name == chosen:

@@ -135,7 +135,13 @@ def policy_loss(
         raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}; got {agg!r}.")
     need_sq = m.needs_sq_norm or rollout.info != "binary"  # the disagreement metric uses G_tail / G_full
     stats = policy_stats(
-        logits, tokens, rollout, chunk_size=chunk_size, need_sq_norm=need_sq, response_mask=response_mask
+        logits,
+        tokens,
+        rollout,
+        chunk_size=chunk_size,
+        need_sq_norm=need_sq,
+        need_uniform=m.needs_uniform,  # in the same pass: a second pass on first use would cost more
+        response_mask=response_mask,
     )
     loss_mat, keep = per_token_loss(m, stats, advantages, response_mask, **thresholds)
     loss = aggregate_loss(loss_mat, response_mask, agg, cu_seqlens=cu_seqlens, norm_length=norm_length)
