@@ -277,7 +277,8 @@ def test_ppo_clip_is_grpos_loss(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "mask_method", ["pdm_tail_tv", "pdm_bucket_kl", "dppo_topk_kl", "pdm_full_kl", "dppo_binary_tv", "pg_is"]
+    "mask_method",
+    ["pdm_tail_tv", "pdm_bucket_kl", "pdm_uniform_tv", "pdm_uniform_kl", "dppo_topk_kl", "pdm_full_kl", "dppo_binary_tv", "pg_is"],
 )
 def test_gradient_is_pdmask_surrogate(tmp_path, mask_method: str) -> None:
     """TRL's loss, given PDMTrainer's per-token advantages, has the gradient of pdmask's DPPO-form surrogate.

@@ -41,7 +41,7 @@ from pdmask import (
     get_method,
     mask_metrics,
     per_token_loss,
-    policy_stats,
+    policy_stats_from_hidden,
     trust_region_mask,
 )
 from pdmask.methods import resolve_thresholds
@@ -344,11 +344,20 @@ class PDMTrainer(GRPOTrainer):
         if needs != "binary":
             # The hidden state before each completion token is the one that predicts it.
             hidden = torch.cat([h[:, -logits_to_keep - 1 : -1] for h in caught["hidden"]])
-        if needs == "full":
-            with _head_weights(head) as (weight, bias):
-                bias = None if bias is None else bias.float()
-                logits = torch.nn.functional.linear(hidden.float(), weight.float(), bias)
-            stats = policy_stats(logits / self.temperature, tokens, rollout, response_mask=valid)
+        if needs == "full" or self.mask_method.needs_uniform:
+            # The uniform tail's sums and full μ need every logit: read them from the hidden states in
+            # blocks, so no [B, T, V] logits are held (log π(a) stays TRL's own, with its gradient).
+            with torch.no_grad(), _head_weights(head) as (weight, bias):
+                stats = policy_stats_from_hidden(
+                    hidden.float(),
+                    weight.float(),
+                    tokens,
+                    rollout,
+                    bias=None if bias is None else bias.float(),
+                    temperature=self.temperature,
+                    need_uniform=self.mask_method.needs_uniform,
+                    response_mask=valid,
+                )
             return replace(stats, logp=logp)
         if needs == "topk":
             assert rollout.topk_ids is not None
@@ -361,7 +370,7 @@ class PDMTrainer(GRPOTrainer):
         sq_norm = None
         if caught["log_sum_sq_probs"]:
             sq_norm = torch.cat([x[:, -logits_to_keep:] for x in caught["log_sum_sq_probs"]]).float().exp()
-        return stats_from_set(logp, tokens, rollout, set_logp, sq_norm=sq_norm)
+        return stats_from_set(logp, tokens, rollout, set_logp, sq_norm=sq_norm, vocab_size=head.weight.shape[0])
 
     def _log_mask_metrics(self, stats: PolicyStats, advantages: Tensor, mask: Tensor, keep: Tensor) -> None:
         """pdmask's metrics into TRL's ``_metrics`` as ``pdmask/...``, over all processes: shares pooled
