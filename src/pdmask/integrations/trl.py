@@ -30,7 +30,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
-from packaging.version import Version
 from torch import Tensor
 
 from pdmask import (
@@ -44,6 +43,7 @@ from pdmask import (
     policy_stats_from_hidden,
     trust_region_mask,
 )
+from pdmask.integrations._version import in_range
 from pdmask.methods import resolve_thresholds
 from pdmask.stats import stats_from_set
 
@@ -53,8 +53,7 @@ TRL_MIN, TRL_MAX = "1.16", "1.17"
 
 def check_trl_version(version: str) -> None:
     """Raises ImportError unless ``version`` lies in [TRL_MIN, TRL_MAX)."""
-    base = Version(Version(version).base_version)
-    if not Version(TRL_MIN) <= base < Version(TRL_MAX):
+    if not in_range(version, TRL_MIN, TRL_MAX):
         raise ImportError(
             f"pdmask.integrations.trl supports TRL >={TRL_MIN},<{TRL_MAX} but TRL {version} is installed. It overrides "
             "private GRPOTrainer methods, which change between releases: install a supported TRL with "

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from packaging.version import Version
 from torch import Tensor
 
+from pdmask.integrations._version import in_range
 from pdmask.rollout import MASS_TOL, RolloutLogprobs
 
 #: vLLM releases this integration was written and tested against: [VLLM_MIN, VLLM_MAX).
@@ -40,8 +40,7 @@ _NEUTRAL = {"top_k": (0, -1, None), "top_p": (1.0, None), "min_p": (0.0, None), 
 
 def check_vllm_version(version: str) -> None:
     """Raises ImportError unless ``version`` lies in [VLLM_MIN, VLLM_MAX)."""
-    base = Version(Version(version).base_version)
-    if not Version(VLLM_MIN) <= base < Version(VLLM_MAX):
+    if not in_range(version, VLLM_MIN, VLLM_MAX):
         raise ImportError(
             f"pdmask.integrations.vllm supports vLLM >={VLLM_MIN},<{VLLM_MAX} but vLLM {version} is installed: "
             "install a supported one with `pip install 'pdmask[vllm]'`."

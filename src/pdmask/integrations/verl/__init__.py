@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 
-from packaging.version import Version
+from pdmask.integrations._version import in_range
 
 #: verl releases this integration was written and tested against: [VERL_MIN, VERL_MAX).
 VERL_MIN, VERL_MAX = "0.9.1", "0.10"
@@ -18,8 +18,7 @@ VERL_MIN, VERL_MAX = "0.9.1", "0.10"
 
 def check_verl_version(version: str) -> None:
     """Raises ImportError unless ``version`` lies in [VERL_MIN, VERL_MAX)."""
-    base = Version(Version(version).base_version)
-    if not Version(VERL_MIN) <= base < Version(VERL_MAX):
+    if not in_range(version, VERL_MIN, VERL_MAX):
         raise ImportError(
             f"pdmask.integrations.verl supports verl >={VERL_MIN},<{VERL_MAX} but verl {version} is installed: "
             "install a supported verl with `pip install 'pdmask[verl]'`."
