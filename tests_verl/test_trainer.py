@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from conftest import DELTA, TAU, engine_data
+from conftest import DELTA, TAU, K, engine_data
 from omegaconf import OmegaConf
 
 from pdmask.integrations.verl import PDMLoss
@@ -101,7 +101,7 @@ def test_trainer_mode_trains_through_verls_training_worker(model_dir, rollout_ba
                     "data_loader_seed": 0,
                     "shuffle": False,
                 },
-                "rollout": {"n": 2, "temperature": TAU},
+                "rollout": {"n": 2, "temperature": TAU, "custom": {"pdmask_top_k": K}},
             }
         }
     )
@@ -109,7 +109,7 @@ def test_trainer_mode_trains_through_verls_training_worker(model_dir, rollout_ba
     trainer.global_steps = 0
     trainer.actor_rollout_wg = Workers()
     trainer.on_init_end()
-    assert isinstance(worker.loss_fn, PDMLoss) and worker.loss_fn.method.name == "pdm_tail_tv"
+    assert isinstance(worker.loss_fn, PDMLoss) and worker.loss_fn.method.name == "pdm_tail_tv" and worker.loss_fn.top_k == K
     metrics: dict = {}
     trainer._update_actor(SimpleNamespace(extra_info={}), metrics)
     assert 0 < metrics["actor/pdmask/mask/dropped_frac"] < 1

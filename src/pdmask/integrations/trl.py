@@ -7,7 +7,7 @@ aggregation, KL and entropy terms, logging and distribution all stay TRL's. What
 - rollout side: with TRL's transformers ``generate``, a forward hook on the policy records at every step
   log μ(a) and the top-K log-probs of μ = softmax(z/τ) (or all of μ for the ``*_full`` methods); with
   ``use_vllm=True``, TRL's vLLM generation is asked for ``logprobs=K`` (processed log-probs) and
-  ``pdmask.integrations.vllm.completions_from_lists`` reads log μ(a) and μ's top K from its answer;
+  ``pdmask.integrations.entries.completions_from_lists`` reads log μ(a) and μ's top K from its answer;
 - loss side: in the scoring forward TRL already runs, ‖π‖² comes from TRL's fused LM head
   (``log_sum_sq_probs``) and π at S = TopK(μ) ∪ {a} from K+1 gathered rows of the LM head, so no
   [batch, length, vocab] tensor is built. pdmask computes the mask M and the per-token weight
@@ -496,7 +496,7 @@ class _VLLMRecorder:
     """
 
     def __init__(self, generation: Any, top_k: int, temperature: float, mode: str) -> None:
-        from pdmask.integrations.vllm import check_logprobs_mode, completions_from_lists
+        from pdmask.integrations.entries import check_logprobs_mode, completions_from_lists
 
         if mode == "server" and getattr(generation, "vllm_client", None) is not None:
             info = generation.vllm_client.get_server_info()

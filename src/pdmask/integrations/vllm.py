@@ -17,22 +17,22 @@ token is among the top K, K + 1 when it is not. Both are handled; fewer than K a
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from pdmask.integrations._version import in_range
-from pdmask.rollout import MASS_TOL, RolloutLogprobs
+from pdmask.integrations.entries import (
+    PROCESSED,
+    Completions,
+    check_k,
+    check_logprobs_mode,
+    completion_entries,
+    completions_from_lists,
+)
 
 #: vLLM releases this integration was written and tested against: [VLLM_MIN, VLLM_MAX).
 VLLM_MIN, VLLM_MAX = "0.32", "0.33"
-#: The only ``logprobs_mode`` whose log-probs are those of the distribution vLLM samples from.
-PROCESSED = "processed_logprobs"
 #: Sampling options that reshape μ away from softmax(z / temperature), the trainer's π.
 _FILTERS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _NEUTRAL = {"top_k": (0, -1, None), "top_p": (1.0, None), "min_p": (0.0, None), "repetition_penalty": (1.0, None)}
@@ -56,19 +56,10 @@ check_vllm_version(vllm.__version__)
 from vllm import RequestOutput, SamplingParams
 
 
-@dataclass(frozen=True)
-class Completions:
-    """N sampled completions, right-padded to the longest, R positions."""
-
-    tokens: Tensor  # [N, R] int64; 0 beyond each completion's end
-    rollout: RolloutLogprobs  # log μ(a) [N, R] and μ's top K [N, R, K], float32; neutral beyond the end
-    response_mask: Tensor  # [N, R] bool: the completion's tokens
-
-
 def engine_kwargs(top_k: int = 20, **kwargs: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` (or ``AsyncEngineArgs``) that return μ's top K: processed
     log-probs and ``max_logprobs >= top_k``; ``kwargs`` pass through, and a conflicting one is refused."""
-    _check_k(top_k)
+    check_k(top_k)
     if kwargs.get("logprobs_mode", PROCESSED) != PROCESSED:
         raise ValueError(
             f"logprobs_mode={kwargs['logprobs_mode']!r} returns log-probs of another distribution than the one sampled "
@@ -87,7 +78,7 @@ def sampling_params(top_k: int = 20, temperature: float = 1.0, **kwargs: Any) ->
     filters (top_k, top_p, min_p, penalties) make it differ from softmax(z / temperature), which is
     what a trainer computes as π, so they warn.
     """
-    _check_k(top_k)
+    check_k(top_k)
     if "logprobs" in kwargs:
         raise ValueError("logprobs is set from top_k: pass top_k=K, not logprobs.")
     if not temperature > 0:
@@ -116,127 +107,48 @@ def rollout_from_outputs(
     """
     if logprobs_mode is not None:
         check_logprobs_mode(logprobs_mode, temperature)
-    token_ids: list[Sequence[int]] = []
-    entry_ids: list[list[list[int]]] = []
-    entry_logps: list[list[list[float]]] = []
-    ranks: list[list[int | None]] = []
+    token_ids, entry_ids, entry_logps, ranks = [], [], [], []
     for i, request in enumerate(outputs):
         for j, completion in enumerate(request.outputs):
-            if completion.logprobs is None:
-                raise ValueError(
-                    f"outputs[{i}].outputs[{j}] has no log-probs: generate with logprobs=K "
-                    "(pdmask.integrations.vllm.sampling_params(K, temperature))."
-                )
-            ids, logps, seq_ranks = [], [], []
-            for token, position in zip(completion.token_ids, completion.logprobs, strict=True):
-                ids.append(list(position))
-                logps.append([entry.logprob for entry in position.values()])
-                seq_ranks.append(position[token].rank if token in position else None)
-            token_ids.append(completion.token_ids)
-            entry_ids.append(ids)
-            entry_logps.append(logps)
-            ranks.append(seq_ranks)
+            entries = completion_entries(completion, f"outputs[{i}].outputs[{j}]")
+            for acc, value in zip((token_ids, entry_ids, entry_logps, ranks), entries, strict=True):
+                acc.append(value)
     return completions_from_lists(token_ids, entry_ids, entry_logps, top_k, sampled_ranks=ranks)
 
 
-def check_logprobs_mode(logprobs_mode: str, temperature: float | None) -> None:
-    """Refuses an engine ``logprobs_mode`` whose values are not μ = the sampler's distribution at ``temperature``."""
-    if logprobs_mode.endswith("_logits"):
-        raise ValueError(
-            f"the engine returns {logprobs_mode}, not log-probabilities: start it with "
-            f"logprobs_mode={PROCESSED!r} (pdmask.integrations.vllm.engine_kwargs)."
-        )
-    if logprobs_mode == "raw_logprobs" and temperature != 1.0:
-        raise ValueError(
-            f"the engine returns raw_logprobs, taken before the temperature {temperature}, so they are μ only at "
-            f"temperature 1 (pass temperature=1.0 if so): start it with logprobs_mode={PROCESSED!r} "
-            "(pdmask.integrations.vllm.engine_kwargs)."
-        )
-    if logprobs_mode not in ("raw_logprobs", PROCESSED):
-        raise ValueError(f"unknown logprobs_mode {logprobs_mode!r}; pdmask reads {PROCESSED!r}.")
+class TopKCapture:
+    """An async vLLM engine (``AsyncLLM``) whose requests return μ's top K to whoever serves them.
 
-
-def completions_from_lists(
-    token_ids: Sequence[Sequence[int]],
-    entry_ids: Sequence[Sequence[Sequence[int]]],
-    entry_logps: Sequence[Sequence[Sequence[float | None]]],
-    top_k: int,
-    *,
-    sampled_ranks: Sequence[Sequence[int | None]] | None = None,
-) -> Completions:
-    """``Completions`` from plain lists: completion n's tokens ``token_ids[n]`` [R_n] and, at position t, the
-    engine's entries ``entry_ids[n][t]`` with log-probs ``entry_logps[n][t]`` (top L >= K plus the sampled token).
-
-    ``sampled_ranks[n][t]`` (vLLM's 1-based rank of the sampled token, optional) tells a list of K entries
-    that holds a token ranked below K (the request asked for fewer than K) from one that holds the top K.
+    Serving code that asks the engine for the sampled token's log-prob only (``logprobs=0``, as verl's
+    rollout servers do) keeps working unchanged: ``generate`` raises every request that wants log-probs to
+    ``logprobs=top_k`` (the sampled token's entry stays among them) and keeps each request's final
+    ``RequestOutput`` until ``pop(request_id)``. Every other attribute is the engine's.
     """
-    _check_k(top_k)
-    if not len(token_ids) == len(entry_ids) == len(entry_logps):
-        raise ValueError(
-            f"token_ids, entry_ids and entry_logps must list the same completions; got {len(token_ids)}, "
-            f"{len(entry_ids)} and {len(entry_logps)}."
-        )
-    if not token_ids:
-        raise ValueError("no completions: outputs must hold at least one completion.")
-    width = max(len(t) for t in token_ids)
-    n = len(token_ids)
-    tokens = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width, dtype=torch.bool)
-    logp = torch.zeros(n, width)
-    topk_ids = torch.zeros(n, width, top_k, dtype=torch.long)
-    topk_logp = torch.zeros(n, width, top_k)
-    for i, seq in enumerate(token_ids):
-        if not len(seq) == len(entry_ids[i]) == len(entry_logps[i]):
-            raise ValueError(
-                f"completion {i} has {len(seq)} tokens but {len(entry_ids[i])} entry lists and "
-                f"{len(entry_logps[i])} log-prob lists; give one per token."
-            )
-        for t, token in enumerate(seq):
-            rank = None if sampled_ranks is None else sampled_ranks[i][t]
-            where = f"completion {i}, position {t}"
-            logp[i, t], ids, values = _position(int(token), entry_ids[i][t], entry_logps[i][t], top_k, rank, where)
-            topk_ids[i, t], topk_logp[i, t] = torch.tensor(ids), torch.tensor(values)
-            tokens[i, t] = int(token)
-        mask[i, : len(seq)] = True
-    rollout = RolloutLogprobs(logp, topk_ids=topk_ids, topk_logp=topk_logp).masked(mask)
-    return Completions(tokens=tokens, rollout=rollout, response_mask=mask)
 
+    def __init__(self, engine: Any, top_k: int) -> None:
+        check_k(top_k)
+        self.engine, self.top_k = engine, top_k
+        self._final: dict[str, RequestOutput] = {}
 
-def _position(
-    token: int, ids: Sequence[int], values: Sequence[float | None], k: int, rank: int | None, where: str
-) -> tuple[float, list[int], list[float]]:
-    """One position: log μ(a) and μ's top K (ids, log-probs, descending) from the engine's entries."""
-    if len(ids) != len(values):
-        raise ValueError(f"{where}: {len(ids)} entry ids but {len(values)} log-probs.")
-    entries: Mapping[int, float] = dict(zip((int(i) for i in ids), (_finite_or_neg_inf(v, where) for v in values)))
-    if token not in entries:
-        raise ValueError(f"{where}: the sampled token {token} is not among the entries; pass vLLM's entries unfiltered.")
-    # With the rank, K entries that hold a token ranked below K show a request for K - 1; without it they pass.
-    needed = k + 1 if rank is not None and rank > k else k
-    if len(entries) < needed:
-        raise ValueError(
-            f"{where}: {len(entries)} log-prob entries with the sampled token ranked {rank}: the request asked for "
-            f"fewer than K = {k}; generate with logprobs=K (pdmask.integrations.vllm.sampling_params({k}))."
-        )
-    top = sorted(entries.items(), key=lambda item: -item[1])[:k]
-    mass = sum(math.exp(v) for _, v in top) + (0.0 if token in dict(top) else math.exp(entries[token]))
-    if mass > 1 + MASS_TOL:
-        raise ValueError(
-            f"{where}: the entries' probabilities sum to {mass:.4f} > 1, so they are logits, not log-probs: start the "
-            f"engine with logprobs_mode={PROCESSED!r} (pdmask.integrations.vllm.engine_kwargs)."
-        )
-    return entries[token], [i for i, _ in top], [v for _, v in top]
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, **kwargs: Any) -> Any:
+        """The engine's ``generate`` (an async iterator of ``RequestOutput``) with ``logprobs`` raised to K."""
+        wants = sampling_params.logprobs is not None
+        if wants and 0 <= sampling_params.logprobs < self.top_k:
+            sampling_params = sampling_params.clone()
+            sampling_params.logprobs = self.top_k
+        final = None
+        async for output in self.engine.generate(prompt, sampling_params, request_id, **kwargs):
+            final = output
+            yield output
+        if wants and final is not None:
+            self._final[request_id] = final
 
-def _finite_or_neg_inf(value: float | None, where: str) -> float:
-    if value is None or math.isnan(value) or value == math.inf:
-        raise ValueError(f"{where}: a log-prob entry is {value}; the engine returned no usable log-prob there.")
-    return float(value)
-
-
-def _check_k(top_k: int) -> None:
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-        raise ValueError(f"top_k must be an int >= 1 (K, the top log-probs per position), got {top_k!r}.")
+    def pop(self, request_id: str) -> RequestOutput | None:
+        """The final output of a finished request (None if it asked for no log-probs or never finished), once."""
+        return self._final.pop(request_id, None)
 
 
 __all__ = [
@@ -244,6 +156,7 @@ __all__ = [
     "VLLM_MAX",
     "VLLM_MIN",
     "Completions",
+    "TopKCapture",
     "check_logprobs_mode",
     "check_vllm_version",
     "completions_from_lists",

@@ -154,14 +154,16 @@ def build_training_worker(model_path: str, *, use_remove_padding: bool, lr: floa
 
 
 def save_tiny_llama(path: str, *, vocab_size: int = 64, seed: int = 0) -> str:
-    """Writes a random 2-layer Llama (hidden size 32) and a word-level tokenizer ``t0 … t{V-1}`` to ``path``."""
+    """Writes a random 2-layer Llama (hidden size 32) and a word-level tokenizer ``t0 … t{V-1}`` (with a plain
+    chat template, for verl's agent loops) to ``path``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t1"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     special = {"pad_token": "t0", "unk_token": "t1", "eos_token": "t2", "bos_token": "t3"}
-    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(path)
+    chat = "{% for m in messages %}t4 {{ m.content }} t5 {% endfor %}{% if add_generation_prompt %}t6 {% endif %}"
+    PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat, **special).save_pretrained(path)
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
