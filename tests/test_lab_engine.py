@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from tiny_llama import tiny_llama_config
 
 from pdmask import RolloutLogprobs
 from pdmask.lab.engine import DTYPES, E4M3_MAX, FP8Linear, RolloutEngine, fake_quant_e4m3, left_pad, sample

@@ -19,6 +19,7 @@ datasets = pytest.importorskip("datasets")
 import pdmask
 import pdmask.integrations.trl as pdm_trl
 from pdmask.integrations.trl import PDMConfig, PDMTrainer, check_trl_version
+from tiny_llama import tiny_llama_config
 
 CHARS = list("0123456789+=? abcdefghij")
 
@@ -37,20 +38,7 @@ def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 def tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=len(CHARS) + 2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(tiny_llama_config(len(CHARS) + 2))
 
 
 def digit_reward(completions: list[str], **_) -> list[float]:
