@@ -17,7 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pdmask.integrations.verl.rollout import TOP_K_KEY, rollout_top_k, topk_lists
+from pdmask.integrations.verl.rollout import ENTRIES, TOP_K_KEY, entries_field, rollout_top_k, topk_tensors
 from pdmask.integrations.verl.topk import TOPK_IDS, TOPK_LOGP, rollout_from_batch
 from pdmask.methods import get_method
 
@@ -50,50 +50,68 @@ def token_output(request: dict):
     from verl.workers.rollout.replica import TokenOutput
 
     sampled = [dict((i, lp) for i, lp, _ in entries)[t] for t, entries in zip(request["token_ids"], request["entries"])]
-    extra = {"global_steps": 0, **topk_lists(completion(request), K)}
+    extra = {"global_steps": 0, ENTRIES: entries_field(completion(request))}
     return TokenOutput(token_ids=request["token_ids"], log_probs=sampled, stop_reason="completed", extra_fields=extra)
 
 
-def test_topk_lists_equal_the_full_softmax_reference() -> None:
+def agent_loop_output(request: dict, length: int | None = None):
+    """verl's AgentLoopOutput of a single-turn rollout answered by token_output(request), cut to ``length``."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    out = token_output(request)
+    n = len(out.token_ids) if length is None else length
+    return AgentLoopOutput(
+        prompt_ids=request["prompt"],
+        response_ids=out.token_ids[:n],
+        response_mask=[1] * n,
+        response_logprobs=out.log_probs[:n],
+        metrics=AgentLoopMetrics(),
+        extra_fields=dict(out.extra_fields),
+    )
+
+
+def test_topk_tensors_equal_the_full_softmax_reference() -> None:
     inside = outside = 0
     for request in REQUESTS:
-        got = topk_lists(completion(request), K)
-        assert got[TOPK_IDS] == request["reference_topk_ids"]
-        torch.testing.assert_close(torch.tensor(got[TOPK_LOGP]), torch.tensor(request["reference_topk_logps"]), atol=1e-3, rtol=0)
-        for token, ids in zip(request["token_ids"], got[TOPK_IDS]):
-            inside, outside = inside + (token in ids), outside + (token not in ids)
+        ids, logps = topk_tensors(entries_field(completion(request)), K, request["token_ids"])
+        assert ids.tolist() == request["reference_topk_ids"]
+        torch.testing.assert_close(logps, torch.tensor(request["reference_topk_logps"]), atol=1e-3, rtol=0)
+        for token, row in zip(request["token_ids"], ids.tolist()):
+            inside, outside = inside + (token in row), outside + (token not in row)
     assert inside > 0 and outside > 0  # the sampled token inside and outside the top K
+    with pytest.raises(ValueError, match="do not line up with the response"):
+        topk_tensors(entries_field(completion(REQUESTS[0])), K, REQUESTS[1]["token_ids"])
 
 
-def test_agent_loop_outputs_stack_into_the_batch_pdm_loss_reads() -> None:
+@pytest.mark.parametrize("cut", [None, 3], ids=["ragged", "equal-lengths"])
+def test_agent_loop_outputs_stack_into_the_batch_pdm_loss_reads(cut) -> None:
     """TopKAgentLoopOutput.as_dict per sample -> verl's list_of_dict_to_tensordict (the TransferQueue put) ->
-    rollout_from_batch: μ's top K [B, R, K] and log μ(a) [B, R] equal the reference on every response token."""
-    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+    rollout_from_batch: μ's top K [B, R, K] and log μ(a) [B, R] equal the reference on every response token,
+    whether verl stacks the samples as a jagged tensor (ragged responses) or a dense one (equal lengths)."""
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-    rows = []
-    for request in REQUESTS:
-        out = token_output(request)
-        length = len(out.token_ids)
-        plain = AgentLoopOutput(
-            prompt_ids=request["prompt"],
-            response_ids=out.token_ids,
-            response_mask=[1] * length,
-            response_logprobs=out.log_probs,
-            metrics=AgentLoopMetrics(),
-            extra_fields=dict(out.extra_fields),
-        )
-        rows.append(agent_loop.TopKAgentLoopOutput.from_output(plain).as_dict())
+    rows = [agent_loop.TopKAgentLoopOutput.from_output(agent_loop_output(r, cut), K).as_dict() for r in REQUESTS]
     data = list_of_dict_to_tensordict(rows)
-    assert data[TOPK_IDS].is_nested  # ragged responses stack like rollout_log_probs
+    assert data[TOPK_IDS].is_nested == (cut is None)
     mu = rollout_from_batch(data, get_method("pdm_tail_tv"), top_k=K)
     for row, request in enumerate(REQUESTS):
-        n = len(request["token_ids"])
-        assert mu.topk_ids[row, :n].tolist() == request["reference_topk_ids"]
-        torch.testing.assert_close(mu.topk_logp[row, :n], torch.tensor(request["reference_topk_logps"]), atol=1e-3, rtol=0)
-        torch.testing.assert_close(mu.logp[row, :n], torch.tensor(request["reference_logp"]), atol=1e-3, rtol=0)
+        n = len(request["token_ids"]) if cut is None else cut
+        assert mu.topk_ids[row, :n].tolist() == request["reference_topk_ids"][:n]
+        torch.testing.assert_close(
+            mu.topk_logp[row, :n], torch.tensor(request["reference_topk_logps"][:n]), atol=1e-3, rtol=0
+        )
+        torch.testing.assert_close(mu.logp[row, :n], torch.tensor(request["reference_logp"][:n]), atol=1e-3, rtol=0)
     with pytest.raises(ValueError, match="K = 5 columns but PDMLoss was built with top_k=8"):
         rollout_from_batch(data, get_method("pdm_tail_tv"), top_k=8)
+
+
+def test_an_empty_response_has_an_empty_top_k() -> None:
+    """An aborted request answers with no tokens and no entries: [0, K] tensors, which stack with the rest."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    empty = AgentLoopOutput(prompt_ids=[1], response_ids=[], response_mask=[], metrics=AgentLoopMetrics())
+    fields = agent_loop.TopKAgentLoopOutput.from_output(empty, K).as_dict()
+    assert fields[TOPK_IDS].shape == (0, K) and fields[TOPK_LOGP].shape == (0, K)
 
 
 def test_a_server_without_topk_is_refused() -> None:
@@ -101,7 +119,7 @@ def test_a_server_without_topk_is_refused() -> None:
 
     plain = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], metrics=AgentLoopMetrics())
     with pytest.raises(ValueError, match="trainer.v1.trainer_mode=pdmask_sync"):
-        agent_loop.TopKAgentLoopOutput.from_output(plain)
+        agent_loop.TopKAgentLoopOutput.from_output(plain, K)
 
 
 def rollout_config(**overrides):
@@ -131,7 +149,8 @@ def test_rollout_config_checks_name_each_fix() -> None:
         "calculate_log_probs=True": {"calculate_log_probs": False},
         "default_agent_loop=pdmask_topk_single_turn": {"agent": {"default_agent_loop": "single_turn_agent"}},
         "disaggregation.enabled=False": {"disaggregation": {"enabled": True}},
-        "logprobs_mode='processed_logprobs'": {"logprobs_mode": "processed_logits"},
+        "logprobs_mode=processed_logprobs": {"logprobs_mode": "processed_logits"},
+        "unset, so vLLM returns its default raw_logprobs": {"logprobs_mode": None},
     }
     for fix, override in cases.items():
         with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(".", r"\.")):
@@ -152,7 +171,9 @@ def test_the_single_turn_agent_loop_carries_the_servers_topk(tiny_tokenizer) -> 
 
     config = OmegaConf.create(
         {
-            "actor_rollout_ref": {"rollout": {"prompt_length": 64, "response_length": response_length}},
+            "actor_rollout_ref": {
+                "rollout": {"prompt_length": 64, "response_length": response_length, "custom": {TOP_K_KEY: K}}
+            },
             "data": {},
         }
     )
@@ -168,7 +189,7 @@ def test_the_single_turn_agent_loop_carries_the_servers_topk(tiny_tokenizer) -> 
     out = agent.loop.run_until_complete(agent.run({"temperature": 0.8, "logprobs": True}, raw_prompt=prompt))
     assert isinstance(out, agent_loop.TopKAgentLoopOutput)
     assert out.response_ids == request["token_ids"][:response_length]
-    assert out.rollout_topk_ids == request["reference_topk_ids"][:response_length]
-    assert TOPK_IDS not in out.extra_fields and TOPK_LOGP not in out.extra_fields
+    assert out.rollout_topk_ids.tolist() == request["reference_topk_ids"][:response_length]
+    assert ENTRIES not in out.extra_fields
     fields = out.as_dict()
     assert fields[TOPK_IDS].shape == (response_length, K) and fields[TOPK_LOGP].dtype == torch.float32

@@ -36,11 +36,12 @@ def test_verl_server_returns_the_top_k_into_the_batch(tmp_path) -> None:
     out = tmp_path / "server.json"
     subprocess.run([sys.executable, str(SCRIPT), str(out)], check=True, timeout=900, env=vllm_distribution(tmp_path))
     result = json.loads(out.read_text())
-    assert result["engine_kwargs"]["max_logprobs"] == K  # the server's hook raised vLLM's cap to K
-    assert "rollout_topk_ids" not in result["plain_extra_fields"]  # no log-probs asked, no top K sent
+    assert result["engine_kwargs"]["max_logprobs"] == max(20, K)  # vLLM's cap kept (K is below it)
+    assert result["entries_key"] not in result["plain_extra_fields"]  # no log-probs asked, no entries sent
     inside = 0
     for response in result["responses"]:
         n = len(response["token_ids"])
+        assert set(response["entries_per_token"]) <= {K, K + 1}  # verl's logprobs=0 raised to K by TopKCapture
         assert len(response["topk_ids"]) == n and response["topk_ids"] == response["reference_topk_ids"]
         assert response["batch_topk_ids"] == response["reference_topk_ids"]
         for got in ("topk_log_probs", "batch_topk_log_probs"):

@@ -40,7 +40,8 @@ def main(out: str) -> None:
 
     from pdmask.integrations.verl.agent_loop import TopKAgentLoopOutput
     from pdmask.integrations.verl.cpu import save_tiny_llama
-    from pdmask.integrations.verl.topk import rollout_from_batch
+    from pdmask.integrations.verl.rollout import ENTRIES
+    from pdmask.integrations.verl.topk import TOPK_IDS, TOPK_LOGP, rollout_from_batch
     from pdmask.integrations.verl.vllm_server import TopKvLLMHttpServer
     from pdmask.integrations.vllm import TopKCapture
     from pdmask.methods import get_method
@@ -93,7 +94,8 @@ def main(out: str) -> None:
                 response_logprobs=o.log_probs,
                 metrics=AgentLoopMetrics(),
                 extra_fields=dict(o.extra_fields),
-            )
+            ),
+            K,
         ).as_dict()
         for o in topk
     ]
@@ -101,18 +103,20 @@ def main(out: str) -> None:
     result = {
         "engine_kwargs": engine_kwargs,
         "plain_extra_fields": sorted(plain.extra_fields),
+        "entries_key": ENTRIES,
         "responses": [
             {
                 "token_ids": list(o.token_ids),
                 "verl_log_probs": o.log_probs,
-                "topk_ids": o.extra_fields["rollout_topk_ids"],
-                "topk_log_probs": o.extra_fields["rollout_topk_log_probs"],
-                "batch_topk_ids": mu.topk_ids[row, : len(o.token_ids)].tolist(),
-                "batch_topk_log_probs": mu.topk_logp[row, : len(o.token_ids)].tolist(),
-                "batch_log_probs": mu.logp[row, : len(o.token_ids)].tolist(),
+                "entries_per_token": [len(ids) for ids in o.extra_fields[ENTRIES]["ids"]],
+                "topk_ids": row[TOPK_IDS].tolist(),
+                "topk_log_probs": row[TOPK_LOGP].tolist(),
+                "batch_topk_ids": mu.topk_ids[i, : len(o.token_ids)].tolist(),
+                "batch_topk_log_probs": mu.topk_logp[i, : len(o.token_ids)].tolist(),
+                "batch_log_probs": mu.logp[i, : len(o.token_ids)].tolist(),
                 **reference(model_dir, PROMPT, list(o.token_ids)),
             }
-            for row, o in enumerate(topk)
+            for i, (o, row) in enumerate(zip(topk, rows, strict=True))
         ],
     }
     Path(out).write_text(json.dumps(result) + "\n")

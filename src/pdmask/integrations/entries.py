@@ -32,21 +32,24 @@ class Completions:
     response_mask: Tensor  # [N, R] bool: the completion's tokens
 
 
-def check_logprobs_mode(logprobs_mode: str, temperature: float | None) -> None:
-    """Refuses an engine ``logprobs_mode`` whose values are not μ = the sampler's distribution at ``temperature``."""
+#: How to fix the engine's log-prob mode when pdmask builds the engine's arguments.
+ENGINE_FIX = f"start the engine with logprobs_mode={PROCESSED!r} (pdmask.integrations.vllm.engine_kwargs)"
+
+
+def check_logprobs_mode(logprobs_mode: str | None, temperature: float | None, fix: str = ENGINE_FIX) -> None:
+    """Refuses an engine ``logprobs_mode`` whose values are not μ = the sampler's distribution at ``temperature``;
+    ``fix`` is the remedy the error names (the engine argument, or a host's config override)."""
+    if logprobs_mode is None:
+        raise ValueError(f"logprobs_mode is unset, so vLLM returns its default raw_logprobs: {fix}.")
     if logprobs_mode.endswith("_logits"):
-        raise ValueError(
-            f"the engine returns {logprobs_mode}, not log-probabilities: start it with "
-            f"logprobs_mode={PROCESSED!r} (pdmask.integrations.vllm.engine_kwargs)."
-        )
+        raise ValueError(f"the engine returns {logprobs_mode}, not log-probabilities: {fix}.")
     if logprobs_mode == "raw_logprobs" and temperature != 1.0:
         raise ValueError(
             f"the engine returns raw_logprobs, taken before the temperature {temperature}, so they are μ only at "
-            f"temperature 1 (pass temperature=1.0 if so): start it with logprobs_mode={PROCESSED!r} "
-            "(pdmask.integrations.vllm.engine_kwargs)."
+            f"temperature 1 (pass temperature=1.0 if so): {fix}."
         )
     if logprobs_mode not in ("raw_logprobs", PROCESSED):
-        raise ValueError(f"unknown logprobs_mode {logprobs_mode!r}; pdmask reads {PROCESSED!r}.")
+        raise ValueError(f"unknown logprobs_mode {logprobs_mode!r}; pdmask reads {PROCESSED!r}: {fix}.")
 
 
 def completion_entries(
@@ -151,6 +154,7 @@ def check_k(top_k: int) -> None:
 
 
 __all__ = [
+    "ENGINE_FIX",
     "PROCESSED",
     "Completions",
     "check_k",

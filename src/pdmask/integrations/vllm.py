@@ -139,12 +139,10 @@ class TopKCapture:
         if wants and 0 <= sampling_params.logprobs < self.top_k:
             sampling_params = sampling_params.clone()
             sampling_params.logprobs = self.top_k
-        final = None
         async for output in self.engine.generate(prompt, sampling_params, request_id, **kwargs):
-            final = output
+            if wants and output.finished:  # kept before it is handed on: a consumer may stop at the last output
+                self._final[request_id] = output
             yield output
-        if wants and final is not None:
-            self._final[request_id] = final
 
     def pop(self, request_id: str) -> RequestOutput | None:
         """The final output of a finished request (None if it asked for no log-probs or never finished), once."""

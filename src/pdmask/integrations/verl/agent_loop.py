@@ -2,10 +2,10 @@
 
 verl's single-turn agent loop passes the server's ``TokenOutput.extra_fields`` through as a
 non-tensor dict. ``TopKSingleTurnAgentLoop`` (registered in verl's agent-loop registry as
-``pdmask_topk_single_turn``) lifts pdmask's two lists out of it into response-aligned tensors of
-the sample, [response_len, K]; verl's TransferQueue path then stacks the samples as it stacks
-``rollout_log_probs`` (a jagged tensor when lengths differ), and ``PDMLoss`` pads them like the
-response mask.
+``pdmask_topk_single_turn``) turns the engine's entries found there into μ's top K at each response
+token, two tensors of the sample [response_len, K]; verl's TransferQueue path then stacks the
+samples as it stacks ``rollout_log_probs`` (a jagged tensor when lengths differ), and ``PDMLoss``
+pads them like the response mask.
 """
 
 from __future__ import annotations
@@ -13,47 +13,39 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pydantic import ConfigDict
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from pdmask.integrations.verl.topk import TOPK_IDS, TOPK_LOGP
+from pdmask.integrations.verl.rollout import ENTRIES, rollout_top_k, topk_tensors
 
 #: ``actor_rollout_ref.rollout.agent.default_agent_loop`` of pdmask's top-K rollout.
 TOPK_AGENT_LOOP = "pdmask_topk_single_turn"
 
 
 class TopKAgentLoopOutput(AgentLoopOutput):
-    """verl's ``AgentLoopOutput`` plus μ's top K at each response token: ids [R][K] and log-probs [R][K]."""
+    """verl's ``AgentLoopOutput`` plus μ's top K at each response token: ids int64 [R, K], log-probs float32 [R, K];
+    ``as_dict`` hands both on as top-level fields of the sample."""
 
-    rollout_topk_ids: list[list[int]]
-    rollout_topk_log_probs: list[list[float]]
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    rollout_topk_ids: torch.Tensor
+    rollout_topk_log_probs: torch.Tensor
 
     @classmethod
-    def from_output(cls, output: AgentLoopOutput) -> TopKAgentLoopOutput:
-        """Moves the server's top-K lists out of ``extra_fields``, cut to the response verl kept."""
+    def from_output(cls, output: AgentLoopOutput, top_k: int) -> TopKAgentLoopOutput:
+        """Takes the server's entries out of ``extra_fields`` and converts them for the response verl kept."""
         extra = dict(output.extra_fields)
-        if TOPK_IDS not in extra or TOPK_LOGP not in extra:
+        entries = extra.pop(ENTRIES, None)
+        if entries is None and output.response_ids:
             raise ValueError(
-                f"the rollout server sent no top-K ({TOPK_IDS}, {TOPK_LOGP} in TokenOutput.extra_fields): run verl's "
+                f"the rollout server sent no log-prob entries ({ENTRIES} in TokenOutput.extra_fields): run verl's "
                 "trainer with trainer.v1.trainer_mode=pdmask_sync (its vLLM server returns them) and "
                 "actor_rollout_ref.rollout.calculate_log_probs=True."
             )
-        ids, logps = extra.pop(TOPK_IDS), extra.pop(TOPK_LOGP)
-        length = len(output.response_ids)
-        if len(ids) < length or len(logps) < length:
-            raise ValueError(
-                f"the server's top-K covers {len(ids)} tokens but the response has {length}: "
-                f"{TOPK_AGENT_LOOP} runs single-turn rollouts only (no tool turns)."
-            )
+        ids, logps = topk_tensors(entries or {"tokens": []}, top_k, output.response_ids)
         fields = output.model_dump(exclude_unset=True) | {"extra_fields": extra}
-        return cls(**fields, rollout_topk_ids=ids[:length], rollout_topk_log_probs=logps[:length])
-
-    def as_dict(self) -> dict[str, Any]:
-        """verl's per-sample dict, with ``rollout_topk_ids`` int64 [R, K] and ``rollout_topk_log_probs`` float32 [R, K]."""
-        out = super().as_dict()
-        out[TOPK_IDS] = torch.tensor(out.pop(TOPK_IDS), dtype=torch.int64)
-        out[TOPK_LOGP] = torch.tensor(out.pop(TOPK_LOGP), dtype=torch.float32)
-        return out
+        return cls(**fields, rollout_topk_ids=ids, rollout_topk_log_probs=logps)
 
 
 @register(TOPK_AGENT_LOOP)
@@ -62,7 +54,7 @@ class TopKSingleTurnAgentLoop(SingleTurnAgentLoop):
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs: Any) -> AgentLoopOutput:
         output = await super().run(sampling_params, priority=priority, **kwargs)
-        return TopKAgentLoopOutput.from_output(output)
+        return TopKAgentLoopOutput.from_output(output, rollout_top_k(self.rollout_config))
 
 
 __all__ = ["TOPK_AGENT_LOOP", "TopKAgentLoopOutput", "TopKSingleTurnAgentLoop"]

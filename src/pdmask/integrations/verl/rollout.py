@@ -1,9 +1,10 @@
-"""The rollout's top-K on its way into verl's batch: per-completion lists, then response-aligned tensors.
+"""The rollout's top-K on its way into verl's batch: the engine's entries, then response-aligned tensors.
 
-verl's rollout server answers one request with a ``TokenOutput``; ``topk_lists`` turns the engine's
-per-position entries of that completion (``pdmask.integrations.entries``, shared with the vLLM
-adapter) into μ's top K as plain lists for ``TokenOutput.extra_fields``, and the agent loop
-(``pdmask.integrations.verl.agent_loop``) makes them [response_len, K] tensors of the sample.
+verl's rollout server answers one request with a ``TokenOutput``; ``entries_field`` copies the
+engine's per-position entries of that completion into ``TokenOutput.extra_fields`` as plain lists
+(cheap: the server's event loop also runs the engine's output handling), and the agent loop
+(``pdmask.integrations.verl.agent_loop``) turns them into μ's top K with ``topk_tensors``, the vLLM
+adapter's conversion (``pdmask.integrations.entries``), as [response_len, K] tensors of the sample.
 ``topk_batch_fields`` builds the same fields for a whole batch from pdmask ``Completions``.
 Nothing here imports vLLM: the trainer's environment converts what the engine's process sent.
 """
@@ -21,6 +22,10 @@ from pdmask.rollout import RolloutLogprobs
 
 #: The rollout config key holding K: ``+actor_rollout_ref.rollout.custom.pdmask_top_k=K``.
 TOP_K_KEY = "pdmask_top_k"
+#: ``TokenOutput.extra_fields`` key of the engine's per-position entries (``entries_field``).
+ENTRIES = "rollout_logprob_entries"
+#: The remedy for a rollout whose log-probs are not μ's.
+LOGPROBS_FIX = "set actor_rollout_ref.rollout.logprobs_mode=processed_logprobs"
 
 
 def rollout_top_k(rollout_config: Any) -> int:
@@ -36,14 +41,27 @@ def rollout_top_k(rollout_config: Any) -> int:
     return int(top_k)
 
 
-def topk_lists(completion: Any, top_k: int) -> dict[str, list]:
-    """One vLLM ``CompletionOutput`` -> ``{rollout_topk_ids: [R][K] ints, rollout_topk_log_probs: [R][K] floats}``,
-    μ's K most likely tokens per generated token, descending (``TokenOutput.extra_fields`` of verl's server)."""
-    token_ids, entry_ids, entry_logps, ranks = completion_entries(completion)
-    rollout = completions_from_lists([token_ids], [entry_ids], [entry_logps], top_k, sampled_ranks=[ranks]).rollout
-    assert rollout.topk_ids is not None and rollout.topk_logp is not None
-    length = len(token_ids)
-    return {TOPK_IDS: rollout.topk_ids[0, :length].tolist(), TOPK_LOGP: rollout.topk_logp[0, :length].tolist()}
+def entries_field(completion: Any) -> dict[str, list]:
+    """One vLLM ``CompletionOutput`` -> ``{tokens [R], ids [R][L], logps [R][L], ranks [R]}``: the sampled tokens and
+    the engine's entries at each position, as JSON-able lists (``TokenOutput.extra_fields[ENTRIES]``)."""
+    tokens, ids, logps, ranks = completion_entries(completion)
+    return {"tokens": tokens, "ids": ids, "logps": logps, "ranks": ranks}
+
+
+def topk_tensors(entries: dict[str, list], top_k: int, response_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """μ's top K at each response token, ids int64 [R, K] and log-probs float32 [R, K], descending, from
+    ``entries_field``'s lists cut to the R = len(response_ids) tokens verl kept."""
+    n = len(response_ids)
+    if list(entries["tokens"][:n]) != list(response_ids):
+        raise ValueError(
+            "the rollout server's log-prob entries do not line up with the response: pdmask's top-K agent loop "
+            "runs single-turn rollouts (default_agent_loop=pdmask_topk_single_turn), not tool or multi-turn ones."
+        )
+    if n == 0:
+        return torch.zeros(0, top_k, dtype=torch.long), torch.zeros(0, top_k)
+    cut = [[entries[key][:n]] for key in ("tokens", "ids", "logps", "ranks")]
+    rollout = completions_from_lists(*cut[:3], top_k, sampled_ranks=cut[3]).rollout
+    return rollout.topk_ids[0], rollout.topk_logp[0]  # type: ignore[index]  # always set by completions_from_lists
 
 
 def topk_batch_fields(completions: Any, response_length: int) -> dict[str, Tensor]:
@@ -75,4 +93,12 @@ def topk_batch_fields(completions: Any, response_length: int) -> dict[str, Tenso
     return {"rollout_log_probs": padded.logp, TOPK_IDS: padded.topk_ids, TOPK_LOGP: padded.topk_logp}
 
 
-__all__ = ["TOP_K_KEY", "rollout_top_k", "topk_batch_fields", "topk_lists"]
+__all__ = [
+    "ENTRIES",
+    "LOGPROBS_FIX",
+    "TOP_K_KEY",
+    "entries_field",
+    "rollout_top_k",
+    "topk_batch_fields",
+    "topk_tensors",
+]

@@ -17,7 +17,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from pdmask.integrations.entries import check_logprobs_mode
 from pdmask.integrations.verl.agent_loop import TOPK_AGENT_LOOP
-from pdmask.integrations.verl.rollout import rollout_top_k
+from pdmask.integrations.verl.rollout import LOGPROBS_FIX, rollout_top_k
 from pdmask.integrations.verl.topk import PROCESSOR_FLAG, PDMLoss
 
 #: The ``trainer.v1.trainer_mode`` this module registers.
@@ -66,7 +66,7 @@ def check_topk_rollout(rollout: Any) -> None:
     missing = [fix for fix, ok in fixes.items() if not ok]
     if missing:
         raise ValueError(f"trainer_mode=pdmask_sync needs the rollout's top K: set {'; '.join(missing)}.")
-    check_logprobs_mode(rollout.get("logprobs_mode") or "processed_logprobs", rollout.get("temperature"))
+    check_logprobs_mode(rollout.get("logprobs_mode"), rollout.get("temperature"), fix=LOGPROBS_FIX)
 
 
 class _FlaggedUpdates:

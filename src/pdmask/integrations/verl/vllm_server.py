@@ -4,9 +4,10 @@ verl 0.9's ``vLLMHttpServer.generate`` asks vLLM for the sampled token's log-pro
 (``logprobs=0``) and returns that. ``TopKvLLMHttpServer`` changes two things through the server's
 own hooks and leaves the request path verl's: the engine it serves from is wrapped in
 ``pdmask.integrations.vllm.TopKCapture`` (requests that want log-probs ask for the top K; the final
-output is kept), and each answer's ``extra_fields`` gains ``topk_lists`` of it. Engine arguments get
-``max_logprobs >= K``; the config must keep verl's default ``logprobs_mode=processed_logprobs``.
-``TopKvLLMReplica`` launches it; ``trainer_mode=pdmask_sync`` puts that replica in place of verl's.
+output is kept), and each answer's ``extra_fields`` gains the engine's entries (``entries_field``; the
+agent loop converts them). Engine arguments get ``max_logprobs >= K``; the config must keep verl's
+default ``logprobs_mode=processed_logprobs``. ``TopKvLLMReplica`` launches it for the policy's rollout
+(reward and teacher servers stay verl's); ``trainer_mode=pdmask_sync`` puts that replica in place of verl's.
 """
 
 from __future__ import annotations
@@ -18,24 +19,27 @@ from verl.workers.rollout.replica import RolloutReplicaRegistry, TokenOutput
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from pdmask.integrations.entries import check_logprobs_mode
-from pdmask.integrations.verl.rollout import rollout_top_k, topk_lists
+from pdmask.integrations.verl.rollout import ENTRIES, LOGPROBS_FIX, entries_field, rollout_top_k
 from pdmask.integrations.vllm import TopKCapture, engine_kwargs
+
+#: vLLM's own cap on log-probs per request (``ModelConfig.max_logprobs``), kept unless K needs more.
+VLLM_MAX_LOGPROBS = 20
 
 
 class TopKvLLMHttpServer(vLLMHttpServer):
-    """``vLLMHttpServer`` whose ``TokenOutput.extra_fields`` hold ``rollout_topk_ids`` and
-    ``rollout_topk_log_probs`` [R][K]."""
+    """``vLLMHttpServer`` whose ``TokenOutput.extra_fields[ENTRIES]`` hold the engine's entries at each token."""
 
     def _init_config(self, config: Any) -> Any:
         config = super()._init_config(config)
         self.top_k = rollout_top_k(config)
-        check_logprobs_mode(config.logprobs_mode, config.temperature)
+        check_logprobs_mode(config.logprobs_mode, config.temperature, fix=LOGPROBS_FIX)
         return config
 
     def _preprocess_engine_kwargs(self, kwargs: dict) -> None:
         super()._preprocess_engine_kwargs(kwargs)
-        # verl passes the config's logprobs_mode itself (checked above); here only the cap on K.
-        kwargs["max_logprobs"] = engine_kwargs(self.top_k, **kwargs)["max_logprobs"]
+        # verl passes the config's logprobs_mode itself (checked above); here only the cap, never lowered.
+        kwargs.setdefault("max_logprobs", max(VLLM_MAX_LOGPROBS, self.top_k))
+        engine_kwargs(self.top_k, **kwargs)  # refuses a max_logprobs set below K
 
     @property
     def engine(self) -> Any:
@@ -48,19 +52,22 @@ class TopKvLLMHttpServer(vLLMHttpServer):
     async def generate(
         self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, **kwargs: Any
     ) -> TokenOutput:
-        output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
-        final = self.engine.pop(request_id) if self.engine is not None else None
+        try:
+            output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
+        finally:  # taken whatever happened, so that no final output stays behind
+            final = self.engine.pop(request_id) if self.engine is not None else None
         if output.log_probs is not None and final is not None and final.outputs:
-            output.extra_fields.update(topk_lists(final.outputs[0], self.top_k))
+            output.extra_fields[ENTRIES] = entries_field(final.outputs[0])
         return output
 
 
 class TopKvLLMReplica(vLLMReplica):
-    """verl's vLLM replica, serving with ``TopKvLLMHttpServer``."""
+    """verl's vLLM replica, serving the policy's rollout with ``TopKvLLMHttpServer``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.server_class = ray.remote(TopKvLLMHttpServer)
+        if not (self.is_reward_model or self.is_teacher_model):  # they share the name "vllm"; they stay verl's
+            self.server_class = ray.remote(TopKvLLMHttpServer)
 
 
 def use_topk_replica() -> None:
@@ -68,4 +75,4 @@ def use_topk_replica() -> None:
     RolloutReplicaRegistry.register("vllm", lambda: TopKvLLMReplica)
 
 
-__all__ = ["TopKvLLMHttpServer", "TopKvLLMReplica", "use_topk_replica"]
+__all__ = ["VLLM_MAX_LOGPROBS", "TopKvLLMHttpServer", "TopKvLLMReplica", "use_topk_replica"]
