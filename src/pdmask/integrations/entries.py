@@ -135,8 +135,8 @@ def _position(
     mass = sum(math.exp(v) for _, v in top) + (0.0 if token in dict(top) else math.exp(entries[token]))
     if mass > 1 + MASS_TOL:
         raise ValueError(
-            f"{where}: the entries' probabilities sum to {mass:.4f} > 1, so they are logits, not log-probs: start the "
-            f"engine with logprobs_mode={PROCESSED!r} (pdmask.integrations.vllm.engine_kwargs)."
+            f"{where}: the entries' probabilities sum to {mass:.4f} > 1, so they are logits, not log-probs: "
+            f"{ENGINE_FIX}."
         )
     return entries[token], [i for i, _ in top], [v for _, v in top]
 
