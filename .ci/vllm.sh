@@ -20,6 +20,7 @@ pip install -q ray omegaconf hydra-core codetiming "tensordict>=0.8,<=0.10.0" py
 python -c "from vllm import LLM"
 python -m pytest -q -p no:cacheprovider tests_vllm
 out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT  # the 2-step run's checkpoint holds SmolLM2's weights and Adam state: 1.5 GiB
 pdmask train --set model=smollm2-135m --set task=arithmetic --set engine=vllm --set rollout_dtype=fp32 \
   --set steps=2 --set heldout_size=8 --set eval_every=2 --set lr=1e-6 --set prompts_per_step=4 \
   --set group_size=4 --set epochs=1 --set minibatches=2 --set tensorboard=false --out "$out/train"

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,6 +88,23 @@ def test_resume_after_kill_between_metrics_and_checkpoint(tmp_path, monkeypatch,
         f.write('{"step": 4, "reward/me')  # and a torn line, as a kill mid-write leaves
     resumed = train(cfg, tmp_path / "killed", resume=True)
     assert _without_time(resumed) == _without_time(reference)
+
+
+def test_full_disk_on_checkpoint_names_the_fix_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    cfg = TINY.replace(steps=2)
+    reference = train(cfg, tmp_path / "ref")
+    real_save = torch.save
+
+    def full_disk(obj, path):
+        Path(path).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1486976832 vs 1486976724")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(RuntimeError, match="GiB free on its disk.*free disk space"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoint.tmp").exists()
+    monkeypatch.setattr(torch, "save", real_save)
+    assert _without_time(train(cfg, tmp_path / "run", resume=True)) == _without_time(reference)
 
 
 def test_existing_run_needs_resume_and_same_config(tmp_path):

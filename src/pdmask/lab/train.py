@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -244,15 +245,22 @@ class Run:
 
     def save_checkpoint(self) -> None:
         tmp = self.checkpoint_path.with_suffix(".tmp")
-        torch.save(
-            {
-                "step": self.step,
-                "model": self.policy.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "lagged": self.lagged,
-            },
-            tmp,
-        )
+        state = {
+            "step": self.step,
+            "model": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lagged": self.lagged,
+        }
+        try:
+            torch.save(state, tmp)
+        except (OSError, RuntimeError) as e:
+            # A full disk surfaces as torch's "unexpected pos"; the half-written file must not stay behind.
+            tmp.unlink(missing_ok=True)
+            free = shutil.disk_usage(self.dir).free / 2**30
+            raise RuntimeError(
+                f"writing the checkpoint {tmp} failed with {free:.1f} GiB free on its disk ({e}); free disk space "
+                "or pass an --out directory on a larger disk; the run resumes from its last checkpoint"
+            ) from e
         os.replace(tmp, self.checkpoint_path)
 
     # ------------------------------------------------------------------ RL
