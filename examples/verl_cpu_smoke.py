@@ -51,10 +51,10 @@ def sample(model, prompts: list[list[int]], generator: torch.Generator) -> Simpl
     return SimpleNamespace(tokens=torch.tensor(tokens), rollout=rollout, response_mask=mask)
 
 
-def main() -> None:
+def main(model_dir: str) -> None:
     start = time.time()
     generator = torch.Generator().manual_seed(0)
-    model_dir = save_tiny_llama(tempfile.mkdtemp(prefix="pdmask_verl_smoke_"))
+    save_tiny_llama(model_dir)
     engine = build_actor_engine(model_dir, use_remove_padding=True, lr=0.1)
     rollout_policy = AutoModelForCausalLM.from_pretrained(model_dir)
 
@@ -103,4 +103,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with tempfile.TemporaryDirectory(prefix="pdmask_verl_smoke_") as tmp:
+        main(tmp)
