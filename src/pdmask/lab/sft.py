@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdmask.lab.config import Config
+from pdmask.lab.files import save_atomic
 from pdmask.lab.tasks import SequenceTask
 
 
@@ -52,7 +53,5 @@ def warm_start(cfg: Config, policy: nn.Module, task: SequenceTask) -> Path:
         return path
     train_sft(cfg, policy, task)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(policy.state_dict(), tmp)
-    os.replace(tmp, path)
+    save_atomic(policy.state_dict(), path)
     return path

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +30,7 @@ import pdmask
 from pdmask import METHODS, RolloutLogprobs, jsonio
 from pdmask.lab.config import Config, ConfigError
 from pdmask.lab.engine import Rollout, RolloutEngine, sample
+from pdmask.lab.files import save_atomic, write_text_atomic
 from pdmask.lab.models import build_policy, is_pretrained
 from pdmask.lab.sft import warm_start
 from pdmask.lab.tasks import Task, build_task
@@ -167,7 +166,7 @@ class Run:
             raise ConfigError(f"top_k: K = {cfg.top_k} is larger than the vocabulary ({V})")
         self.method = METHODS[cfg.method]
         self.dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.dir / "config.json", jsonio.dumps(cfg.to_dict(), indent=2))
+        write_text_atomic(self.dir / "config.json", jsonio.dumps(cfg.to_dict(), indent=2))
         if not is_pretrained(cfg.model) and cfg.sft_steps > 0 and not self.checkpoint_path.exists():
             warm_start(cfg, self.policy, self.task)
         return_full = self.method.needs == "full" or V * cfg.batch_size * self.task.max_new_tokens <= FULL_LOGP_BUDGET
@@ -232,7 +231,7 @@ class Run:
                 break
             if row["step"] <= last_step:
                 kept.append(line + "\n")
-        _atomic_write(self.metrics_path, "".join(kept))
+        write_text_atomic(self.metrics_path, "".join(kept))
 
     def _log(self, row: dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
@@ -244,24 +243,13 @@ class Run:
             self.writer.flush()
 
     def save_checkpoint(self) -> None:
-        tmp = self.checkpoint_path.with_suffix(".tmp")
         state = {
             "step": self.step,
             "model": self.policy.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "lagged": self.lagged,
         }
-        try:
-            torch.save(state, tmp)
-        except (OSError, RuntimeError) as e:
-            # A full disk surfaces as torch's "unexpected pos"; the half-written file must not stay behind.
-            tmp.unlink(missing_ok=True)
-            free = shutil.disk_usage(self.dir).free / 2**30
-            raise RuntimeError(
-                f"writing the checkpoint {tmp} failed with {free:.1f} GiB free on its disk ({e}); free disk space "
-                "or pass an --out directory on a larger disk; the run resumes from its last checkpoint"
-            ) from e
-        os.replace(tmp, self.checkpoint_path)
+        save_atomic(state, self.checkpoint_path)
 
     # ------------------------------------------------------------------ RL
     def train_step(self) -> dict[str, float]:
@@ -398,9 +386,3 @@ def is_complete(run_dir: str | Path, cfg: Config) -> bool:
         and config_path.exists()
         and json.loads(config_path.read_text()) == cfg.to_dict()
     )
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
