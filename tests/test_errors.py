@@ -17,7 +17,7 @@ def good():
     return z, logmu, a, ids, vals
 
 
-def loss_of(z, a, rollout, method="pdm_tail_tv", adv=None, mask=None, **kw):
+def loss_of(z, a, rollout, method="pdm_proportional_tv", adv=None, mask=None, **kw):
     return policy_loss(method, z, a, rollout, torch.ones(N) if adv is None else adv,
                        torch.ones(N) if mask is None else mask, **kw)
 
@@ -102,7 +102,7 @@ def test_unknown_method_agg_threshold_and_missing_information(good):
     expect(ValueError, "agg must be one of", loss_of, z, a, r, agg="mean")
     expect(ValueError, "unexpected eps_high", loss_of, z, a, r, eps_high=0.3)
     expect(ValueError, "must be a finite number", loss_of, z, a, r, delta_high=float("nan"))
-    expect(ValueError, "needs topk information", loss_of, z, a, rollout_of(logmu, a), method="pdm_bucket_kl")
+    expect(ValueError, "needs topk information", loss_of, z, a, rollout_of(logmu, a), method="pdm_aggregated_kl")
     expect(ValueError, "needs full information", loss_of, z, a, r, method="pdm_full_kl")
 
 
@@ -136,7 +136,7 @@ def test_uniform_estimator_without_what_it_needs():
     logsm = torch.log_softmax(z, -1)
     set_logp = logsm.gather(-1, torch.cat([ids, a[:, None]], -1))
     parts = stats_from_set(logsm.gather(-1, a[:, None]).squeeze(-1), a, r, set_logp, sq_norm=torch.ones(N))
-    expect(ValueError, r"pass stats_from_set\(..., vocab_size=V\)", predicted_change, parts, "kl", "uniform")
+    expect(ValueError, r"pass stats_from_set\(..., vocab_size=V\)", predicted_change, parts, "kl", "exactpi")
     expect(ValueError, "vocab_size must be an int >= 5", stats_from_set, parts.logp, a, r, set_logp, vocab_size=3)
-    expect(ValueError, "needs topk information", trust_region_mask, "pdm_uniform_tv",
+    expect(ValueError, "needs topk information", trust_region_mask, "pdm_exactpi_tv",
            policy_stats(z, a, rollout_of(logmu, a)), torch.ones(N))

@@ -72,9 +72,9 @@ def test_float64_references(vocab, seed, kind):
     assert torch.allclose(stats.rest_mass, rest, atol=1e-12)
     expect = {
         "full": ref.predicted_change(z, mu, a, kind),
-        "bucket": ref.bucket_change(z, mu, a, ids, kind),
-        "tail": ref.tail_change(z, mu, a, ids, kind),
-        "uniform": ref.uniform_change(z, mu, a, ids, kind),
+        "aggregated": ref.aggregated_change(z, mu, a, ids, kind),
+        "proportional": ref.proportional_change(z, mu, a, ids, kind),
+        "exactpi": ref.exactpi_change(z, mu, a, ids, kind),
     }
     for est, want in expect.items():
         assert torch.allclose(predicted_change(stats, kind, est), want, atol=1e-10), est
@@ -143,7 +143,7 @@ def test_response_mask_padding_and_the_uniform_second_pass():
     lazy = policy_stats_from_hidden(h, w, torch.where(mask.bool(), a, -100), r, bias=b, response_mask=mask, block_vocab=7)
     keep = mask.bool()
     assert lazy.uniform_sums is None
-    assert torch.allclose(predicted_change(eager, "tv", "uniform")[keep], predicted_change(lazy, "tv", "uniform")[keep])
+    assert torch.allclose(predicted_change(eager, "tv", "exactpi")[keep], predicted_change(lazy, "tv", "exactpi")[keep])
 
 
 def test_no_gradient_needed_and_float64_stays_float64():

@@ -43,12 +43,12 @@ def test_compare_methods_pairs_seeds():
 
 def test_sweep_report_and_reuse(tmp_path):
     base = TINY.replace(steps=2, eval_every=1)
-    sweep = Sweep(base, ("pg_is", "pdm_tail_tv"), (0, 1), ("tiny",), ("bf16",), "test sweep")
+    sweep = Sweep(base, ("pg_is", "pdm_proportional_tv"), (0, 1), ("tiny",), ("bf16",), "test sweep")
     info = run_sweep(sweep, tmp_path, workers=1, progress=False)
     assert info["failed"] == [] and info["reused"] == 0 and info["cpu_time_s"] > 0
     report = write_report(sweep, tmp_path, "test", info | {"workers": 1})
     setting = report["settings"]["tiny-bf16"]
-    assert set(setting["methods"]) == {"pg_is", "pdm_tail_tv"}
+    assert set(setting["methods"]) == {"pg_is", "pdm_proportional_tv"}
     assert setting["methods"]["pg_is"]["final_accuracy"]["n"] == 2
     assert "tiny-bf16" in setting["verdict"]
     for rel in setting["plots"]:
@@ -56,7 +56,7 @@ def test_sweep_report_and_reuse(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| method |" in md and "Summary" in md and "Did the trust region matter?" in md and "CPU seconds" in md
     assert "tail masks differ" in md
-    assert setting["questions"]["trust_region"]["best_masked"] == "pdm_tail_tv"
+    assert setting["questions"]["trust_region"]["best_masked"] == "pdm_proportional_tv"
     assert json.loads((tmp_path / "report.json").read_text())["run"]["runs_analysed"] == 4
     # Every JSON file the lab writes is strict JSON (no NaN/Infinity literals), even with undefined numbers.
     write_report(sweep, tmp_path, "test", info | {"workers": 1, "wall_time_s": float("nan")})
@@ -69,7 +69,7 @@ def test_sweep_report_and_reuse(tmp_path):
     assert again["reused"] == 4
     assert 0 < estimate_seconds(sweep, workers=2) < 60
     # Runs made with another config in the same folder are never reported as this sweep's.
-    changed = Sweep(base.replace(lr=5e-3), ("pg_is", "pdm_tail_tv"), (0, 1), ("tiny",), ("bf16",), "changed")
+    changed = Sweep(base.replace(lr=5e-3), ("pg_is", "pdm_proportional_tv"), (0, 1), ("tiny",), ("bf16",), "changed")
     assert write_report(changed, tmp_path, "test", info | {"workers": 1})["run"]["runs_analysed"] == 0
 
 

@@ -44,7 +44,7 @@ def test_config_files(tmp_path):
     (tmp_path / "a.toml").write_text('method = "ppo_clip"\nsteps = 7\ndelta_tv = 0.2\n')
     cfg = load_config(tmp_path / "a.toml", ["seed=3", "tensorboard=false"])
     assert (cfg.method, cfg.steps, cfg.delta_tv, cfg.seed, cfg.tensorboard) == ("ppo_clip", 7, 0.2, 3, False)
-    (tmp_path / "b.json").write_text(json.dumps({"method": "pdm_tail_kl", "delta_kl": 0.1}))
+    (tmp_path / "b.json").write_text(json.dumps({"method": "pdm_proportional_kl", "delta_kl": 0.1}))
     assert load_config(tmp_path / "b.json").thresholds() == {"delta_low": 0.1, "delta_high": 0.1}
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.json")
@@ -53,7 +53,7 @@ def test_config_files(tmp_path):
 def test_thresholds_follow_the_method_kind():
     cfg = Config(delta_tv=0.2, delta_kl=0.01, eps_high=0.3)
     assert cfg.replace(method="dppo_topk_tv").thresholds() == {"delta_low": 0.2, "delta_high": 0.2}
-    assert cfg.replace(method="pdm_bucket_kl").thresholds() == {"delta_low": 0.01, "delta_high": 0.01}
+    assert cfg.replace(method="pdm_aggregated_kl").thresholds() == {"delta_low": 0.01, "delta_high": 0.01}
     assert cfg.replace(method="ppo_clip").thresholds() == {"eps_high": 0.3}
     assert cfg.replace(method="pg_is").thresholds() == {}
 
@@ -66,11 +66,11 @@ def test_presets_are_valid_and_fair():
             shared = [{k: v for k, v in c.to_dict().items() if k not in varying} for c in configs if c.model == model]
             assert all(s == shared[0] for s in shared)
     default = PRESETS["default"]
-    assert {"ppo_clip", "pg_is", "dppo_topk_tv", "pdm_bucket_tv", "pdm_tail_tv"} <= set(default.methods)
+    assert {"ppo_clip", "pg_is", "dppo_topk_tv", "pdm_aggregated_tv", "pdm_proportional_tv"} <= set(default.methods)
     assert len(default.seeds) >= 3 and default.rollout_dtypes != ("fp32",)
     sizes = PRESETS["sizes"]
     assert set(sizes.models) == {"tiny", "small", "medium"} and len(sizes.rollout_dtypes) >= 2
-    assert {"pg_is", "ppo_clip", "dppo_topk_tv", "dppo_topk_kl", "pdm_tail_tv", "pdm_tail_kl"} <= set(sizes.methods)
+    assert {"pg_is", "ppo_clip", "dppo_topk_tv", "dppo_topk_kl", "pdm_proportional_tv", "pdm_proportional_kl"} <= set(sizes.methods)
     assert len(sizes.seeds) >= 3
     assert {c.steps for c in sizes.configs() if c.model == "medium"} == {sizes.model_overrides["medium"]["steps"]}
     paper = PRESETS["paper"]

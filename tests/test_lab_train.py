@@ -188,22 +188,25 @@ def test_rollout_lag_adds_staleness_to_the_mismatch(tmp_path):
 
 
 def test_tail_metrics_count_where_the_estimators_masks_differ():
-    """Random logits far from a random μ, every token beyond a tiny δ: the bucket and tail masks differ on some."""
+    """Random logits far from a random μ, every token beyond a tiny δ: the paper's two tails' masks differ on some."""
     z, logmu, a, topk_ids, topk_logp = make_case(400, 64, 3, drift=2.0, dtype=torch.float32)
     mu = rollout_of(logmu.float(), a, topk_ids, topk_logp.float())
     adv = torch.randn(400, generator=torch.Generator().manual_seed(1))
     valid = torch.ones(400, dtype=torch.bool)
-    cfg = TINY.replace(method="pdm_tail_tv", delta_tv=1e-3)
+    cfg = TINY.replace(method="pdm_proportional_tv", delta_tv=1e-3)
     out = tail_metrics(cfg, z, a, mu, adv, valid)
     stats = pdmask.policy_stats(z, a, mu, need_sq_norm=True)
-    keep = {e: pdmask.trust_region_mask(f"pdm_{e}_tv", stats, adv, valid, delta_low=1e-3, delta_high=1e-3) for e in ("bucket", "tail")}
-    differ = (keep["bucket"] != keep["tail"]).double().mean().item()
-    assert differ > 0.05 and out["tail/bucket_vs_tail_frac"] == pytest.approx(differ)
-    assert out["tail/masks_differ_frac"] >= out["tail/bucket_vs_tail_frac"]
+    keep = {
+        e: pdmask.trust_region_mask(f"pdm_{e}_tv", stats, adv, valid, delta_low=1e-3, delta_high=1e-3)
+        for e in ("aggregated", "uniform")
+    }
+    differ = (keep["aggregated"] != keep["uniform"]).double().mean().item()
+    assert differ > 0.05 and out["tail/paper_tails_differ_frac"] == pytest.approx(differ)
+    assert out["tail/masks_differ_frac"] >= out["tail/paper_tails_differ_frac"]
     assert out["tail/pi_rest_mean"] == pytest.approx(stats.rest_mass.mean().item(), rel=1e-5)
     # Padding does not count, and a method without a divergence (pg_is) is measured with TV.
     half = valid.clone()
     half[200:] = False
-    assert tail_metrics(cfg.replace(method="pg_is"), z, a, mu, adv, half)["tail/bucket_vs_tail_frac"] == pytest.approx(
-        (keep["bucket"] != keep["tail"])[:200].double().mean().item()
+    assert tail_metrics(cfg.replace(method="pg_is"), z, a, mu, adv, half)["tail/paper_tails_differ_frac"] == pytest.approx(
+        (keep["aggregated"] != keep["uniform"])[:200].double().mean().item()
     )

@@ -76,7 +76,7 @@ def test_packed_and_batched_inputs_agree(agg):
     )
     prollout = type(rollout)(rollout.logp[sel], rollout.topk_ids[sel], rollout.topk_logp[sel], rollout.full_logp[sel])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-    for method in ("pdm_tail_tv", "dppo_binary_kl", "ppo_clip"):
+    for method in ("pdm_proportional_tv", "dppo_binary_kl", "ppo_clip"):
         lb, mb = policy_loss(method, z, a, rollout, adv, mask, agg)
         lp, mp = policy_loss(
             method, packed["logits"], packed["tokens"], prollout, packed["advantages"], packed["response_mask"], agg,
@@ -111,14 +111,14 @@ def test_empty_response_mask_gives_zero_loss_and_defined_metrics():
     z, a, rollout, adv, _ = batch()
     z = z.requires_grad_(True)
     for agg in AGG_MODES:
-        loss, metrics = policy_loss("pdm_tail_kl", z, a, rollout, adv, torch.zeros(B, T), agg)
+        loss, metrics = policy_loss("pdm_proportional_kl", z, a, rollout, adv, torch.zeros(B, T), agg)
         assert loss.item() == 0.0 and loss.requires_grad
         assert all(math.isfinite(v) for v in metrics.values())
 
 
 def test_metrics_names_and_ranges():
     z, a, rollout, adv, mask = batch(seed=4)
-    _, m = policy_loss("pdm_tail_tv", z, a, rollout, adv, mask)
+    _, m = policy_loss("pdm_proportional_tv", z, a, rollout, adv, mask)
     for key in (
         "mask/dropped_frac", "mask/dropped_frac_pos", "mask/dropped_frac_neg", "mask/beyond_threshold_frac",
         "mask/direction_disagree_frac", "div/mean", "div/max", "div/p90", "ratio/mean", "ratio/max",
@@ -132,9 +132,9 @@ def test_metrics_names_and_ranges():
 def test_low_precision_logits(dtype):
     z, a, rollout, adv, mask = batch()
     zl = z.to(dtype).requires_grad_(True)
-    loss, _ = policy_loss("pdm_tail_tv", zl, a, rollout, adv, mask)
+    loss, _ = policy_loss("pdm_proportional_tv", zl, a, rollout, adv, mask)
     loss.backward()
-    ref, _ = policy_loss("pdm_tail_tv", zl.detach().float(), a, rollout, adv, mask)
+    ref, _ = policy_loss("pdm_proportional_tv", zl.detach().float(), a, rollout, adv, mask)
     assert torch.isfinite(loss) and torch.allclose(loss, ref, atol=1e-5)
     assert zl.grad.dtype == dtype
 
@@ -149,12 +149,12 @@ def test_padding_outside_the_response_mask_is_ignored():
         rollout.topk_logp.masked_fill(pad[..., None], 0.0),
         rollout.full_logp.masked_fill(pad[..., None], 0.0),
     )
-    for method in ("pdm_full_kl", "pdm_tail_tv", "dppo_topk_kl", "ppo_clip"):
+    for method in ("pdm_full_kl", "pdm_proportional_tv", "dppo_topk_kl", "ppo_clip"):
         clean_loss, clean_m = policy_loss(method, z, a, rollout, adv, mask)
         dirty_loss, dirty_m = policy_loss(method, z, dirty_a, dirty, adv, mask)
         assert torch.allclose(clean_loss, dirty_loss) and clean_m == pytest.approx(dirty_m)
     with pytest.raises(ValueError, match="tokens contains id -100"):
-        policy_loss("pdm_tail_tv", z, dirty_a, rollout, adv, torch.ones(B, T))
+        policy_loss("pdm_proportional_tv", z, dirty_a, rollout, adv, torch.ones(B, T))
 
 
 def test_metrics_stay_finite_for_extreme_ratios():

@@ -35,7 +35,7 @@ def test_direction_signs_of_the_hand_built_positions(kind):
 
 
 @pytest.mark.parametrize("kind", ["tv", "kl"])
-@pytest.mark.parametrize("estimator", ["full", "bucket", "tail", "uniform"])
+@pytest.mark.parametrize("estimator", ["full", "aggregated", "uniform", "proportional", "exactpi"])
 def test_dppo_keeps_but_pdm_drops_a_positive_token_that_raises_the_divergence(kind, estimator):
     s = position(*TOWARD_BUT_DIVERGING)
     adv = torch.tensor([1.0])
@@ -53,7 +53,7 @@ def test_dppo_drops_but_pdm_keeps_a_positive_token_that_lowers_the_divergence(ki
     s = position(*AWAY_BUT_CONVERGING)
     adv = torch.tensor([2.0])
     assert trust_region_mask(f"dppo_topk_{kind}", s, adv).item() is False
-    assert trust_region_mask(f"pdm_tail_{kind}", s, adv).item() is True
+    assert trust_region_mask(f"pdm_proportional_{kind}", s, adv).item() is True
 
 
 @pytest.mark.parametrize("kind", ["tv", "kl"])
@@ -114,15 +114,15 @@ def test_binary_dppo_uses_only_mu_a():
 def test_registry_entries_are_complete():
     required = {
         "ppo_clip", "pg_is", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl",
-        "pdm_full_tv", "pdm_full_kl", "pdm_bucket_tv", "pdm_bucket_kl", "pdm_tail_tv", "pdm_tail_kl",
-        "pdm_uniform_tv", "pdm_uniform_kl",
+        "pdm_full_tv", "pdm_full_kl", "pdm_aggregated_tv", "pdm_aggregated_kl", "pdm_proportional_tv", "pdm_proportional_kl",
+        "pdm_exactpi_tv", "pdm_exactpi_kl",
     }
     assert required <= set(METHODS)
     for name, m in METHODS.items():
         assert m.name == name and m.description and "ratio_cap" in m.defaults
     assert METHODS["dppo_topk_tv"].defaults["delta_high"] == 0.15
-    assert METHODS["pdm_tail_kl"].defaults["delta_low"] == 0.05
+    assert METHODS["pdm_proportional_kl"].defaults["delta_low"] == 0.05
     assert METHODS["ppo_clip"].defaults["eps_high"] == 0.28
-    assert METHODS["pdm_tail_tv"].needs == "topk" and METHODS["pdm_full_kl"].needs == "full"
-    assert METHODS["pdm_uniform_kl"].needs == "topk" and METHODS["pdm_uniform_kl"].needs_sq_norm
-    assert METHODS["pdm_uniform_tv"].needs_uniform and not METHODS["pdm_uniform_kl"].needs_uniform
+    assert METHODS["pdm_proportional_tv"].needs == "topk" and METHODS["pdm_full_kl"].needs == "full"
+    assert METHODS["pdm_exactpi_kl"].needs == "topk" and METHODS["pdm_exactpi_kl"].needs_sq_norm
+    assert METHODS["pdm_exactpi_tv"].needs_uniform and not METHODS["pdm_exactpi_kl"].needs_uniform

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import make_case, rollout_of
@@ -51,8 +53,9 @@ def test_fast_paths_match_float64_references(c, kind, dtype):
     atol, rtol = _tol(dtype)
     expect = {
         ("G", "full"): ref.predicted_change(zr, mu, a, kind),
-        ("G", "bucket"): ref.bucket_change(zr, mu, a, ids, kind),
-        ("G", "tail"): ref.tail_change(zr, mu, a, ids, kind),
+        ("G", "aggregated"): ref.aggregated_change(zr, mu, a, ids, kind),
+        ("G", "proportional"): ref.proportional_change(zr, mu, a, ids, kind),
+        ("G", "exactpi"): ref.exactpi_change(zr, mu, a, ids, kind),
         ("G", "uniform"): ref.uniform_change(zr, mu, a, ids, kind),
         ("D", "full"): ref.DIVERGENCES[kind](torch.softmax(zr, -1), mu),
         ("D", "topk"): ref.topk_divergence(zr, mu, a, ids, kind),
@@ -82,7 +85,7 @@ def test_check2_estimators_agree_with_one_token_outside_S(vocab, seed, kind):
 
 def _assert_topk_estimators_exact(stats, kind):
     full = predicted_change(stats, kind, "full")
-    for est in ("bucket", "tail", "uniform"):
+    for est in ("aggregated", "uniform", "proportional", "exactpi"):
         assert torch.allclose(predicted_change(stats, kind, est), full, rtol=1e-6, atol=1e-10), est
 
 
@@ -97,7 +100,7 @@ def test_check2_tail_is_exact_when_mu_tail_is_proportional(vocab, seed, kind):
     mu = torch.where(in_s, mu_s, pi * scale)
     logmu = mu.log()
     stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True))
-    assert torch.allclose(predicted_change(stats, kind, "tail"), predicted_change(stats, kind, "full"), atol=1e-10)
+    assert torch.allclose(predicted_change(stats, kind, "proportional"), predicted_change(stats, kind, "full"), atol=1e-10)
 
 
 @SETTINGS
@@ -108,6 +111,22 @@ def test_check2_uniform_is_exact_when_mu_tail_is_even(vocab, seed, kind, tail_sh
     in_s = ref.set_mask(a, ids, vocab)
     mu_s = torch.where(in_s, logmu.exp(), 0.0)
     mu_s = mu_s / mu_s.sum(-1, keepdim=True) * (1 - tail_share * (1 - mu_s.sum(-1, keepdim=True)))
+    even = (1 - mu_s.sum(-1, keepdim=True)).clamp_min(0) / (~in_s).sum(-1, keepdim=True).clamp_min(1)
+    logmu = torch.where(in_s, mu_s, even).log()
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True))
+    g = predicted_change(stats, kind, "exactpi")
+    assert torch.allclose(g, predicted_change(stats, kind, "full"), atol=1e-10)
+    assert torch.allclose(g, ref.exactpi_change(z, logmu.exp(), a, ids, kind), atol=1e-10)
+
+
+@SETTINGS
+@given(st.integers(4, 1000), st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]))
+def test_check2_paper_uniform_is_exact_when_both_tails_are_even(vocab, seed, kind):
+    """π and μ both even off S (π from logits equal off S): the paper's uniform-tail = full."""
+    z, logmu, a, ids, _ = make_case(3, vocab, max(1, vocab // 5), seed=seed)
+    in_s = ref.set_mask(a, ids, vocab)
+    z = torch.where(in_s, z, z.masked_fill(in_s, float("-inf")).logsumexp(-1, keepdim=True) - math.log(vocab))
+    mu_s = torch.where(in_s, logmu.exp(), 0.0)
     even = (1 - mu_s.sum(-1, keepdim=True)).clamp_min(0) / (~in_s).sum(-1, keepdim=True).clamp_min(1)
     logmu = torch.where(in_s, mu_s, even).log()
     stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True))
@@ -124,11 +143,11 @@ def test_uniform_sums_in_the_pass_or_a_second_pass_agree(vocab, seed, dtype):
     eager = policy_stats(z, a, rollout, need_uniform=True, chunk_size=2)
     lazy = policy_stats(z, a, rollout, chunk_size=3)
     assert eager.uniform_sums is not None and lazy.uniform_sums is None
-    assert torch.equal(predicted_change(eager, "tv", "uniform"), predicted_change(lazy, "tv", "uniform"))
+    assert torch.equal(predicted_change(eager, "tv", "exactpi"), predicted_change(lazy, "tv", "exactpi"))
 
 
 @SETTINGS
-@given(st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]), st.sampled_from(["full", "bucket", "tail", "uniform"]))
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]), st.sampled_from(["full", "aggregated", "uniform", "proportional", "exactpi"]))
 def test_check3_two_categories_sign_is_the_ratio_sign(seed, kind, est):
     z, logmu, a, ids, vals = make_case(8, 2, 1, seed=seed)
     stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True))
@@ -144,7 +163,7 @@ def test_check4_only_logp_carries_gradient(case):
     detached = [stats.rollout_logp, stats.sq_norm, stats.set_logp, stats.set_mu, stats.ratio, stats.pi_a]
     detached += [getattr(stats.full, f) for f in ("tv", "kl", "mu_dot_pi", "sign_pi", "sign_pi2")]
     for kind in ("tv", "kl"):
-        detached += [predicted_change(stats, kind, e) for e in ("full", "bucket", "tail", "uniform")]
+        detached += [predicted_change(stats, kind, e) for e in ("full", "aggregated", "uniform", "proportional", "exactpi")]
         detached += [divergence(stats, kind, i) for i in ("binary", "topk", "full")]
     assert not any(t.requires_grad for t in detached)
 
@@ -230,7 +249,7 @@ def test_float32_peaked_policy_keeps_its_tail():
     rollout = rollout_of(mu.log(), a, top.indices, top.values, full=True)
     s32, s64 = policy_stats(z.float(), a, rollout), policy_stats(z, a, rollout)
     for kind in ("tv", "kl"):
-        for est in ("full", "bucket", "tail", "uniform"):
+        for est in ("full", "aggregated", "uniform", "proportional", "exactpi"):
             g32, g64 = predicted_change(s32, kind, est).double(), predicted_change(s64, kind, est)
             assert torch.allclose(g32, g64, rtol=1e-4, atol=1e-6), (kind, est, g32, g64)
         for info in ("binary", "topk", "full"):
@@ -257,7 +276,7 @@ def test_neg_inf_topk_logprobs_mean_probability_zero():
     stats = policy_stats(z, a, rollout)
     for kind in ("tv", "kl"):
         assert torch.isfinite(divergence(stats, kind, "topk")).all()
-        for est in ("bucket", "tail", "uniform"):
+        for est in ("aggregated", "uniform", "proportional", "exactpi"):
             assert torch.isfinite(predicted_change(stats, kind, est)).all()
     with pytest.raises(ValueError, match="disagrees with rollout.topk_logp"):
         policy_stats(z, ids[:, -1], RolloutLogprobs(vals[:, 0], ids, vals))
@@ -274,12 +293,12 @@ def test_stats_from_set_matches_policy_stats(with_topk):
         logsm.gather(-1, a[:, None]).squeeze(-1), a, rollout.validated(a, 300, torch.float64),
         logsm.gather(-1, cols), sq_norm=logsm.exp().square().sum(-1), vocab_size=300,
     )
-    kinds_infos = [("binary", None)] + ([("topk", "bucket"), ("topk", "tail")] if with_topk else [])
+    kinds_infos = [("binary", None)] + ([("topk", e) for e in ("aggregated", "uniform", "proportional")] if with_topk else [])
     for kind in ("tv", "kl"):
-        for info, est in kinds_infos + ([("topk", "uniform")] if with_topk and kind == "kl" else []):
+        for info, est in kinds_infos + ([("topk", "exactpi")] if with_topk and kind == "kl" else []):
             assert torch.allclose(divergence(parts, kind, info), divergence(full, kind, info), atol=1e-9)
             if est:
                 assert torch.allclose(predicted_change(parts, kind, est), predicted_change(full, kind, est), atol=1e-9)
     if with_topk:  # the TV form needs thresholded sums over the vocabulary, which no set of columns gives
         with pytest.raises(ValueError, match="compute the statistics with pdmask.policy_stats"):
-            predicted_change(parts, "tv", "uniform")
+            predicted_change(parts, "tv", "exactpi")

@@ -99,7 +99,7 @@ def test_config_rejects_bad_combinations(tmp_path) -> None:
     with pytest.raises(ValueError, match="unknown mask method"):
         make_config(tmp_path, "pdm_nope")
     with pytest.raises(ValueError, match="PPO-clip settings"):
-        make_config(tmp_path, "pdm_tail_tv", epsilon_high=0.28)
+        make_config(tmp_path, "pdm_proportional_tv", epsilon_high=0.28)
     with pytest.raises(ValueError, match="loss_type"):
         make_config(tmp_path, "dppo_binary_tv", loss_type="cispo")
     with pytest.raises(ValueError, match="delta_low"):
@@ -107,11 +107,11 @@ def test_config_rejects_bad_combinations(tmp_path) -> None:
     with pytest.raises(ValueError, match="two-sided clip"):
         make_config(tmp_path, "ppo_clip", delta=2.0)
     with pytest.raises(ValueError, match="off_policy_mask_threshold"):
-        make_config(tmp_path, "pdm_tail_tv", off_policy_mask_threshold=0.5)
+        make_config(tmp_path, "pdm_proportional_tv", off_policy_mask_threshold=0.5)
     with pytest.raises(ValueError, match="recorded at one temperature"):
-        make_config(tmp_path, "pdm_tail_tv", generation_kwargs={"temperature": 0.5})
+        make_config(tmp_path, "pdm_proportional_tv", generation_kwargs={"temperature": 0.5})
     with pytest.warns(UserWarning, match="sampler's distribution"):
-        make_config(tmp_path, "pdm_tail_tv", generation_kwargs={"top_p": 0.5})
+        make_config(tmp_path, "pdm_proportional_tv", generation_kwargs={"top_p": 0.5})
 
 
 def test_config_with_vllm(tmp_path) -> None:
@@ -122,9 +122,9 @@ def test_config_with_vllm(tmp_path) -> None:
     with pytest.raises(NotImplementedError, match="needs all of μ, but vLLM returns its top K"):
         make_config(tmp_path, "pdm_full_tv", use_vllm=True)
     with pytest.raises(ValueError, match="max_logprobs=20"):
-        make_config(tmp_path, "pdm_tail_tv", use_vllm=True, mask_top_k=30)
+        make_config(tmp_path, "pdm_proportional_tv", use_vllm=True, mask_top_k=30)
     with pytest.raises(NotImplementedError, match="continuous batching"):
-        make_config(tmp_path, "pdm_tail_tv", use_transformers_continuous_batching=True)
+        make_config(tmp_path, "pdm_proportional_tv", use_transformers_continuous_batching=True)
 
 
 def train(tmp_path, mask_method: str, spy=None):
@@ -143,7 +143,7 @@ def train(tmp_path, mask_method: str, spy=None):
     return trainer, initial
 
 
-@pytest.mark.parametrize("mask_method", ["pdm_tail_tv", "dppo_binary_kl"])
+@pytest.mark.parametrize("mask_method", ["pdm_proportional_tv", "dppo_binary_kl"])
 def test_trains_two_steps(tmp_path, mask_method: str) -> None:
     trainer, initial = train(tmp_path, mask_method)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -178,7 +178,7 @@ def test_rollout_topk_is_the_generating_models_softmax(tmp_path) -> None:
 
         trainer._apply_mask, trainer._policy_stats = recording, recording_stats
 
-    trainer, initial = train(tmp_path, "pdm_tail_tv", spy)
+    trainer, initial = train(tmp_path, "pdm_proportional_tv", spy)
     first = seen[0]  # the first step trains on completions of the initial model
     ids = torch.cat([first["prompt_ids"], first["completion_ids"]], 1)
     attention = torch.cat([first["prompt_mask"], first["completion_mask"]], 1)
@@ -266,7 +266,7 @@ def test_ppo_clip_is_grpos_loss(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "mask_method",
-    ["pdm_tail_tv", "pdm_bucket_kl", "pdm_uniform_tv", "pdm_uniform_kl", "dppo_topk_kl", "pdm_full_kl", "dppo_binary_tv", "pg_is"],
+    ["pdm_proportional_tv", "pdm_aggregated_kl", "pdm_exactpi_tv", "pdm_exactpi_kl", "dppo_topk_kl", "pdm_full_kl", "dppo_binary_tv", "pg_is"],
 )
 def test_gradient_is_pdmask_surrogate(tmp_path, mask_method: str) -> None:
     """TRL's loss, given PDMTrainer's per-token advantages, has the gradient of pdmask's DPPO-form surrogate.

@@ -86,7 +86,7 @@ def check_trained(trainer, initial: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("mask_method", ["dppo_binary_tv", "ppo_clip"])
 def test_trains_with_vllm(tmp_path, model_dir, mask_method: str) -> None:
-    """Two steps with a binary method and with the clip (TRL's own loss); pdm_tail_tv trains in the test below."""
+    """Two steps with a binary method and with the clip (TRL's own loss); pdm_proportional_tv trains in the test below."""
     trainer = make_trainer(tmp_path, model_dir, mask_method)
     initial = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
@@ -102,7 +102,7 @@ def test_vllm_topk_is_the_generating_models_softmax(tmp_path, model_dir, monkeyp
     from trl.generation import vllm_generation
 
     monkeypatch.setattr(vllm_generation, "LLM", functools.partial(vllm_generation.LLM, dtype="float32"))
-    trainer = make_trainer(tmp_path, model_dir, "pdm_tail_tv")
+    trainer = make_trainer(tmp_path, model_dir, "pdm_proportional_tv")
     assert str(trainer.vllm_generation.llm.llm_engine.model_config.dtype) == "torch.float32"
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     seen: list[dict] = []

@@ -99,7 +99,7 @@ def main(out: str) -> None:
         ).as_dict()
         for o in topk
     ]
-    mu = rollout_from_batch(list_of_dict_to_tensordict(rows), get_method("pdm_tail_tv"), top_k=K)
+    mu = rollout_from_batch(list_of_dict_to_tensordict(rows), get_method("pdm_proportional_tv"), top_k=K)
     result = {
         "engine_kwargs": engine_kwargs,
         "plain_extra_fields": sorted(plain.extra_fields),

@@ -4,7 +4,7 @@ Paths, each on the same logits [N, V] (no gradient), K = 20:
   plain       log_softmax(logits.float()) + gather of log π(a)          (what every trainer already does)
   dppo_torch  log_softmax(logits.float()) + gathers at a and the top-K  (DPPO's statistics, plain torch)
   dppo_topk   pdmask.policy_stats without ‖π‖² + the dppo_topk_tv mask  (DPPO's statistics, chunked)
-  pdm_tail    pdmask.policy_stats with ‖π‖² + the pdm_tail_tv mask      (PDM's statistics, chunked)
+  pdm_proportional    pdmask.policy_stats with ‖π‖² + the pdm_proportional_tv mask      (PDM's statistics, chunked)
 and the hidden-state rows of ``pdmask.bench_hidden`` (forward + backward from hidden states and the LM head).
 """
 
@@ -35,7 +35,7 @@ HELP = (
 
 FULL_GRID = [(v, n, d) for v in (32_000, 151_936) for n in (1_024, 4_096) for d in ("float32", "bfloat16")]
 QUICK_GRID = [(32_000, 1_024, "float32"), (32_000, 1_024, "bfloat16"), (151_936, 1_024, "bfloat16")]
-PATHS = ("plain", "dppo_torch", "dppo_topk", "pdm_tail")
+PATHS = ("plain", "dppo_torch", "dppo_topk", "pdm_proportional")
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Row:
 
     @property
     def tail_vs_dppo(self) -> float:
-        return self.ms["pdm_tail"] / self.ms["dppo_topk"]
+        return self.ms["pdm_proportional"] / self.ms["dppo_topk"]
 
 
 def make_inputs(vocab: int, n: int, dtype: torch.dtype, k: int = 20, seed: int = 0):
@@ -80,10 +80,10 @@ def paths(logits: Tensor, tokens: Tensor, rollout: RolloutLogprobs, adv: Tensor)
     def dppo_topk():
         return trust_region_mask("dppo_topk_tv", policy_stats(logits, tokens, rollout, need_sq_norm=False), adv)
 
-    def pdm_tail():
-        return trust_region_mask("pdm_tail_tv", policy_stats(logits, tokens, rollout), adv)
+    def pdm_proportional():
+        return trust_region_mask("pdm_proportional_tv", policy_stats(logits, tokens, rollout), adv)
 
-    return {"plain": plain, "dppo_torch": dppo_torch, "dppo_topk": dppo_topk, "pdm_tail": pdm_tail}
+    return {"plain": plain, "dppo_torch": dppo_torch, "dppo_topk": dppo_topk, "pdm_proportional": pdm_proportional}
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:
@@ -139,16 +139,16 @@ def render(rows: list[Row]) -> None:
     from rich.table import Table
 
     table = Table(title=f"pdmask bench: policy_stats + mask, K = 20, median of repeats, {torch.get_num_threads()} threads")
-    for col in ("V", "N", "logits", "plain ms", "dppo_torch ms", "dppo_topk ms", "pdm_tail ms",
+    for col in ("V", "N", "logits", "plain ms", "dppo_torch ms", "dppo_topk ms", "pdm_proportional ms",
                 "tail/dppo_topk", "tail/dppo_torch", "tail/plain", "tail extra mem", "dppo_torch extra mem"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             f"{r.vocab:,}", f"{r.positions:,}", r.dtype,
             *(f"{r.ms[p]:.1f}" for p in PATHS),
-            f"{r.tail_vs_dppo:.2f}x", f"{r.ms['pdm_tail'] / r.ms['dppo_torch']:.2f}x",
-            f"{r.ms['pdm_tail'] / r.ms['plain']:.2f}x",
-            f"{r.peak_mib['pdm_tail']:.1f} MiB ({100 * r.peak_mib['pdm_tail'] / r.logits_mib:.1f}%)",
+            f"{r.tail_vs_dppo:.2f}x", f"{r.ms['pdm_proportional'] / r.ms['dppo_torch']:.2f}x",
+            f"{r.ms['pdm_proportional'] / r.ms['plain']:.2f}x",
+            f"{r.peak_mib['pdm_proportional']:.1f} MiB ({100 * r.peak_mib['pdm_proportional'] / r.logits_mib:.1f}%)",
             f"{r.peak_mib['dppo_torch']:.0f} MiB ({100 * r.peak_mib['dppo_torch'] / r.logits_mib:.0f}%)",
         )
     console = Console(width=max(Console().width, 190))

@@ -1,7 +1,7 @@
 """`pdmask bench`'s hidden-state rows: forward + backward of log π(a) and the statistics from hidden states.
 
 Paths, each on the same hidden states h [N, d] and LM head W [V, d] (both requiring grad), K = 20,
-forward and backward of Σ g·M·log π(a) with the ``pdm_tail_tv`` mask M (Σ g·log π(a) where no mask):
+forward and backward of Σ g·M·log π(a) with the ``pdm_proportional_tv`` mask M (Σ g·log π(a) where no mask):
   fused         pdmask.policy_stats_from_hidden (log π(a), ‖π‖², top-K statistics) + mask
   matmul_stats  logits = h @ W.T, then pdmask.policy_stats + mask                   (target (a))
   matmul_plain  logits = h @ W.T, then log_softmax(logits.float()) + gather        (target (b))
@@ -90,7 +90,7 @@ def hidden_paths(
     """Each path's forward + backward; the gradients land in h.grad and w.grad."""
 
     def masked_backward(stats):
-        keep = trust_region_mask("pdm_tail_tv", stats, adv)
+        keep = trust_region_mask("pdm_proportional_tv", stats, adv)
         (stats.logp * g * keep).sum().backward()
 
     def fused():

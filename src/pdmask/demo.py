@@ -56,18 +56,19 @@ def run(args: argparse.Namespace) -> int:
 
     stats = policy_stats(z, tokens, rollout)
     d = divergence(stats, "tv", "full")
-    g = {e: predicted_change(stats, "tv", e) for e in ("full", "bucket", "tail")}
+    shown = ("full", "aggregated", "uniform", "proportional")
+    g = {e: predicted_change(stats, "tv", e) for e in shown}
     a = adv[:, None].expand_as(d)
     differ = ((d > 0.15) & (torch.sign(stats.pi_a - stats.mu_a) != torch.sign(g["full"]))).nonzero()[:8]
     detail = Table(title="Tokens beyond δ_TV where the ratio sign and PDM's G disagree (first 8)")
-    for col in ("pos", "A", "π(a)", "μ(a)", "TV", "G_full", "G_bucket", "G_tail", "DPPO", "PDM"):
+    for col in ("pos", "A", "π(a)", "μ(a)", "TV", *(f"G_{e}" for e in shown), "DPPO", "PDM"):
         detail.add_column(col, justify="right")
     for b, t in differ.tolist():
         keep_dppo = not (a[b, t] * (stats.pi_a[b, t] - stats.mu_a[b, t]) > 0)
         keep_pdm = not (a[b, t] * g["full"][b, t] > 0)
         detail.add_row(
             f"{b},{t}", f"{a[b, t]:+.2f}", f"{stats.pi_a[b, t]:.3f}", f"{stats.mu_a[b, t]:.3f}", f"{d[b, t]:.3f}",
-            *(f"{g[e][b, t]:+.4f}" for e in ("full", "bucket", "tail")),
+            *(f"{g[e][b, t]:+.4f}" for e in shown),
             "keep" if keep_dppo else "drop", "keep" if keep_pdm else "drop",
         )
     console.print(detail)

@@ -5,6 +5,7 @@ Notation (docs/method.md): S = TopK(μ) ∪ {a}; R = the rest bucket, π_R = 1 �
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,13 @@ from pdmask.stats import FullReductions, PolicyStats
 
 KINDS = ("tv", "kl")
 INFOS = ("binary", "topk", "full")
-ESTIMATORS = ("full", "bucket", "tail", "uniform")
+#: The predictive estimators of G: ``full`` (exact), the paper's two top-K tails (``aggregated``,
+#: ``uniform``) and pdmask's two refinements (``proportional``, ``exactpi``).
+ESTIMATORS = ("full", "aggregated", "uniform", "proportional", "exactpi")
+#: The estimators that need the exact ‖π‖² (one more reduction over the vocabulary in the pass).
+SQ_NORM_ESTIMATORS = ("full", "proportional", "exactpi")
+#: Earlier names, still accepted with a DeprecationWarning (``uniform`` was then pdmask's ``exactpi``).
+RENAMED_ESTIMATORS = {"bucket": "aggregated", "tail": "proportional"}
 
 
 def divergence(stats: PolicyStats, kind: str, info: str) -> Tensor:
@@ -42,12 +49,14 @@ def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
     """G = ⟨∇_z D(π, μ), e_a − π⟩ [...]: the first-order change of D per unit step of token a's update.
 
     KL: G = (π_a − μ_a) + ⟨μ,π⟩ − ‖π‖².  TV: G = ½[s_a π_a − Σ s_i π_i² + (‖π‖² − π_a) Σ s_i π_i].
-    ``full`` sums over the vocabulary; ``bucket`` applies the same forms to the K+1 categories S ∪ {R};
-    ``tail`` keeps the exact ‖π‖² and takes μ's tail proportional to π's tail; ``uniform`` keeps π exact
-    and spreads μ's tail evenly over the T ids off S (μ_j = u = μ_R / T).
+    ``full`` sums over the vocabulary. From top-K information (S = TopK(μ) ∪ {a}, T = V − |S| ids off S):
+    the paper's ``aggregated`` (aggregated-tail) applies the forms to the K+1 categories S ∪ {R}; the
+    paper's ``uniform`` (uniform-tail) spreads both tails evenly, π_j = π_R/T and μ_j = μ_R/T off S;
+    pdmask's ``proportional`` keeps the exact ‖π‖² and takes μ's tail proportional to π's; pdmask's
+    ``exactpi`` keeps π exact and spreads only μ's tail evenly (μ_j = μ_R/T).
     """
     _check_choice("kind", kind, KINDS)
-    _check_choice("estimator", estimator, ESTIMATORS)
+    estimator = canonical_estimator(estimator)
     pi_a, mu_a = stats.pi_a, stats.mu_a
     if estimator == "full":
         full = _require_full(stats)
@@ -56,8 +65,10 @@ def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
             return (pi_a - mu_a) + full.mu_dot_pi - sq
         return _tv_form(torch.sign(pi_a - mu_a), pi_a, sq, full.sign_pi, full.sign_pi2)
     b = _buckets(stats)
-    if estimator == "bucket":
+    if estimator == "aggregated":
         sq = b.pi_s.square().sum(-1) + b.pi_r.square()  # the rest bucket counts as one token
+    elif estimator == "uniform":
+        sq = b.pi_s.square().sum(-1) + _per_tail_id(stats, b.pi_r.square())  # T tail ids of π_R/T each
     else:
         sq = _require_sq_norm(stats, estimator)
     if kind == "kl":
@@ -69,24 +80,51 @@ def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
     return _tv_form(torch.sign(pi_a - mu_a), pi_a, sq, sign_pi, sign_pi2)
 
 
+def canonical_estimator(estimator: str) -> str:
+    """The estimator's current name; an earlier name (``bucket``, ``tail``) warns and maps to it."""
+    if estimator in RENAMED_ESTIMATORS:
+        new = RENAMED_ESTIMATORS[estimator]
+        warnings.warn(
+            f"estimator {estimator!r} is now called {new!r} (the paper's name, or pdmask's for its refinement); "
+            "the old name will be removed.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return new
+    _check_choice("estimator", estimator, ESTIMATORS)
+    return estimator
+
+
+def _per_tail_id(stats: PolicyStats, x: Tensor) -> Tensor:
+    """x / T [...] (0 where T = 0): a tail quantity spread evenly over the T ids off S."""
+    if stats.tail_count is None:
+        raise ValueError("the uniform-tail estimator needs the vocabulary size: pass stats_from_set(..., vocab_size=V).")
+    t = stats.tail_count
+    return torch.where(t > 0, x / t.clamp_min(1), 0.0)
+
+
 def _tail_dot(stats: PolicyStats, b: _Buckets, estimator: str) -> Tensor:
-    """The tail's share of ⟨μ, π⟩ under each estimator's picture of μ off S."""
-    if estimator == "bucket":
+    """The tail's share of ⟨μ, π⟩ under each estimator's picture of π and μ off S."""
+    if estimator == "aggregated":
         return b.mu_r * b.pi_r
     if estimator == "uniform":
+        return _per_tail_id(stats, b.mu_r * b.pi_r)
+    if estimator == "exactpi":
         return stats.even_tail_mu * b.pi_r
     assert stats.tail_sq is not None
     return torch.where(b.pi_r > 0, b.mu_r / b.pi_r.clamp_min(_tiny(b.pi_r)), 0.0) * stats.tail_sq
 
 
 def _tail_sign_sums(stats: PolicyStats, b: _Buckets, estimator: str) -> tuple[Tensor, Tensor]:
-    """The tail's shares of Σ s_i π_i and Σ s_i π_i² under each estimator's picture of μ off S."""
-    if estimator == "uniform":
+    """The tail's shares of Σ s_i π_i and Σ s_i π_i² under each estimator's picture of π and μ off S."""
+    if estimator == "exactpi":
         sums = stats.uniform_tail_sums()
         return sums[0], sums[1]
     s_r = torch.sign(b.pi_r - b.mu_r)  # one sign for the whole tail
-    if estimator == "bucket":
+    if estimator == "aggregated":
         return s_r * b.pi_r, s_r * b.pi_r.square()
+    if estimator == "uniform":
+        return s_r * b.pi_r, s_r * _per_tail_id(stats, b.pi_r.square())
     assert stats.tail_sq is not None
     return s_r * b.pi_r, s_r * stats.tail_sq
 
@@ -138,4 +176,4 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
 
 
-__all__ = ["ESTIMATORS", "INFOS", "KINDS", "divergence", "predicted_change"]
+__all__ = ["ESTIMATORS", "INFOS", "KINDS", "RENAMED_ESTIMATORS", "SQ_NORM_ESTIMATORS", "canonical_estimator", "divergence", "predicted_change"]

@@ -179,7 +179,7 @@ def _second_sweep(head: _Head, h: Tensor, sl: slice, prep: Prepared, acc: Accumu
 
 
 def _uniform_pass(head: _Head, flat: Tensor, prep: Prepared, acc: Accumulators) -> Tensor:
-    """[2, ...] the uniform estimator's sums, by sweeping the blocks again."""
+    """[2, ...] the exactpi estimator's sums, by sweeping the blocks again."""
     only = replace(acc, full=None, uniform=torch.zeros(2, prep.n, dtype=head.dtype, device=flat.device))
     with torch.no_grad():
         bufs = head.buffers(min(head.rows, max(prep.n, 1)), True)

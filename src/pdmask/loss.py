@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pdmask.estimators import divergence, predicted_change
+from pdmask.estimators import SQ_NORM_ESTIMATORS, divergence, predicted_change
 from pdmask.methods import (
     DELTA_TV,
     MaskMethod,
@@ -174,8 +174,10 @@ def mask_metrics(
     delta_low, delta_high = t.get("delta_low", DELTA_TV), t.get("delta_high", DELTA_TV)
     d = divergence(stats, kind, info)
     beyond = beyond_threshold(d, adv, delta_low, delta_high) & mask
-    estimator = m.estimator or {"full": "full", "topk": "tail", "binary": None}[stats.info]
-    if estimator is None or (estimator != "bucket" and stats.sq_norm is None):
+    estimator = m.estimator or {"full": "full", "topk": "proportional", "binary": None}[stats.info]
+    if estimator in SQ_NORM_ESTIMATORS and stats.sq_norm is None:
+        estimator = "aggregated" if stats.has_topk else None
+    if estimator is None:
         disagree = torch.zeros_like(beyond)
     else:
         g = predicted_change(stats, kind, estimator)

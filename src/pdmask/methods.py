@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -10,7 +11,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from pdmask.estimators import ESTIMATORS, divergence, predicted_change
+from pdmask.estimators import ESTIMATORS, RENAMED_ESTIMATORS, SQ_NORM_ESTIMATORS, divergence, predicted_change
 from pdmask.rollout import as_bool_mask
 from pdmask.stats import PolicyStats
 
@@ -48,12 +49,19 @@ class MaskMethod:
 
     @property
     def needs_sq_norm(self) -> bool:
-        return self.estimator in ("tail", "uniform", "full")
+        return self.estimator in SQ_NORM_ESTIMATORS
 
     @property
     def needs_uniform(self) -> bool:
-        """Whether the pass should sum the ``uniform`` estimator's thresholded tail (its TV form)."""
-        return self.estimator == "uniform" and self.kind == "tv"
+        """Whether the pass should sum the ``exactpi`` estimator's thresholded tail (its TV form)."""
+        return self.estimator == "exactpi" and self.kind == "tv"
+
+    @property
+    def origin(self) -> str:
+        """Where the method comes from: "paper" (DPPO, PPO or the PDM paper), or "pdmask" (an extension)."""
+        if self.rule != "pdm":
+            return "paper"
+        return "paper" if self.kind == "kl" and self.estimator in ("full", "aggregated", "uniform") else "pdmask"
 
 
 def _divergence_defaults(kind: str) -> Mapping[str, float]:
@@ -69,9 +77,10 @@ _INFO_WORDS = {
 }
 _ESTIMATOR_WORDS = {
     "full": "exact G over the whole vocabulary",
-    "bucket": "G on the K+1 buckets TopK ∪ {a} ∪ rest",
-    "tail": "exact ‖π‖² with μ's tail taken proportional to π's tail",
-    "uniform": "exact π with μ's unseen tail spread evenly over the ids off TopK ∪ {a}",
+    "aggregated": "the paper's aggregated-tail G on the K+1 buckets TopK ∪ {a} ∪ rest",
+    "uniform": "the paper's uniform-tail G, both tails spread evenly over the ids off TopK ∪ {a}",
+    "proportional": "pdmask's refinement: exact ‖π‖², μ's tail taken proportional to π's tail",
+    "exactpi": "pdmask's refinement: exact π, μ's unseen tail spread evenly over the ids off TopK ∪ {a}",
 }
 
 
@@ -119,15 +128,29 @@ def _registry() -> dict[str, MaskMethod]:
 
 #: Every mask method by name. Adding a method is one MaskMethod entry.
 METHODS: Mapping[str, MaskMethod] = MappingProxyType(_registry())
+#: Earlier method names, still accepted with a DeprecationWarning. (``pdm_exactpi_*`` was then pdmask's
+#: exact-π refinement, now ``pdm_exactpi_*``; the name now means the paper's uniform-tail.)
+RENAMED_METHODS: Mapping[str, str] = MappingProxyType(
+    {f"pdm_{old}_{kind}": f"pdm_{new}_{kind}" for old, new in RENAMED_ESTIMATORS.items() for kind in ("tv", "kl")}
+)
+
+
+def canonical_method_name(name: str) -> str:
+    """The method's current name: an earlier name warns and maps to it; an unknown name raises."""
+    if isinstance(name, str) and name in RENAMED_METHODS:
+        new = RENAMED_METHODS[name]
+        warnings.warn(f"mask method {name!r} is now called {new!r}; the old name will be removed.", DeprecationWarning, stacklevel=3)
+        return new
+    if not isinstance(name, str) or name not in METHODS:
+        raise ValueError(f"unknown mask method {name!r}; choose one of: {', '.join(METHODS)}.")
+    return name
 
 
 def get_method(method: str | MaskMethod) -> MaskMethod:
     """Looks a method up by name (or passes a MaskMethod through)."""
     if isinstance(method, MaskMethod):
         return method
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"unknown mask method {method!r}; choose one of: {', '.join(METHODS)}.")
-    return METHODS[method]
+    return METHODS[canonical_method_name(method)]
 
 
 def resolve_thresholds(method: MaskMethod, overrides: Mapping[str, float | None]) -> dict[str, float]:
@@ -217,4 +240,4 @@ def _broadcast_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
     return advantages
 
 
-__all__ = ["METHODS", "MaskMethod", "beyond_threshold", "get_method", "trust_region_mask"]
+__all__ = ["METHODS", "RENAMED_METHODS", "MaskMethod", "beyond_threshold", "canonical_method_name", "get_method", "trust_region_mask"]

@@ -66,14 +66,14 @@ def binary_divergence(z: Tensor, mu: Tensor, a: Tensor, kind: str) -> Tensor:
     return DIVERGENCES[kind](_nonzero(coarse(torch.softmax(z.double(), -1), s)), coarse(mu.double(), s))
 
 
-def bucket_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
+def aggregated_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
     """G of the coarse K+1-category policy: softmax logits log π̃, with a as one of the categories."""
     s = set_mask(a, topk_ids, z.shape[-1])
     pi_c = _nonzero(coarse(torch.softmax(z.double(), -1), s))
     return predicted_change(pi_c.log(), coarse(mu.double(), s), a, kind)
 
 
-def tail_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
+def proportional_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
     """Full G against μ' = μ on S and μ'_j = π_j · μ_R / π_R off S (μ's tail made proportional to π's)."""
     s = set_mask(a, topk_ids, z.shape[-1])
     pi, mu = torch.softmax(z.double(), -1), mu.double()
@@ -83,14 +83,24 @@ def tail_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -
     return predicted_change(z, torch.where(s, mu, pi * scale), a, kind)
 
 
-def uniform_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
-    """Full G against μ' = μ on S and μ'_j = μ_R / T off S (μ's tail spread evenly over the T ids off S)."""
+def exactpi_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
+    """pdmask's exact-π uniform: full G against μ' = μ on S and μ'_j = μ_R / T off S (π exact)."""
     s = set_mask(a, topk_ids, z.shape[-1])
-    mu = mu.double()
-    mu_r = (1 - torch.where(s, mu, 0.0).sum(-1, keepdim=True)).clamp_min(0)
-    outside = (~s).sum(-1, keepdim=True)
-    even = torch.where(outside > 0, mu_r / outside.clamp_min(1), 0.0)
-    return predicted_change(z, torch.where(s, mu, even), a, kind)
+    return predicted_change(z, _even_tail(mu.double(), s), a, kind)
+
+
+def uniform_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
+    """The paper's uniform-tail: full G of π' and μ', each equal to π, μ on S and spread evenly off S
+    (π'_j = π_R / T, μ'_j = μ_R / T for the T ids off S)."""
+    s = set_mask(a, topk_ids, z.shape[-1])
+    return predicted_change(_nonzero(_even_tail(torch.softmax(z.double(), -1), s)).log(), _even_tail(mu.double(), s), a, kind)
+
+
+def _even_tail(p: Tensor, in_set: Tensor) -> Tensor:
+    """p on S; its rest 1 − Σ_S p spread evenly over the ids off S."""
+    rest = (1 - torch.where(in_set, p, 0.0).sum(-1, keepdim=True)).clamp_min(0)
+    outside = (~in_set).sum(-1, keepdim=True)
+    return torch.where(in_set, p, torch.where(outside > 0, rest / outside.clamp_min(1), 0.0))
 
 
 def _nonzero(p: Tensor) -> Tensor:
@@ -99,12 +109,13 @@ def _nonzero(p: Tensor) -> Tensor:
 
 
 __all__ = [
+    "aggregated_change",
     "binary_divergence",
-    "bucket_change",
+    "exactpi_change",
     "finite_difference",
     "kl",
     "predicted_change",
-    "tail_change",
+    "proportional_change",
     "topk_divergence",
     "tv",
     "uniform_change",

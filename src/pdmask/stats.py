@@ -95,7 +95,7 @@ class PolicyStats:
     def even_tail_mu(self) -> Tensor:
         """u = μ_R / T [...]: μ's unseen tail spread evenly over the T ids off S (0 when T = 0)."""
         if self.tail_count is None:
-            raise ValueError("the uniform estimator needs the vocabulary size: pass stats_from_set(..., vocab_size=V).")
+            raise ValueError("the exactpi estimator needs the vocabulary size: pass stats_from_set(..., vocab_size=V).")
         return _even_mu(self.set_mu, self.tail_count)
 
     def uniform_tail_sums(self) -> Tensor:
@@ -103,7 +103,7 @@ class PolicyStats:
         if self.uniform_sums is None:
             if self.uniform_pass is None:
                 raise ValueError(
-                    "the uniform estimator's TV needs sums over the vocabulary off S, which stats_from_set cannot "
+                    "the exactpi estimator's TV needs sums over the vocabulary off S, which stats_from_set cannot "
                     "give: compute the statistics with pdmask.policy_stats or pdmask.policy_stats_from_hidden."
                 )
             self.uniform_sums = self.uniform_pass()
@@ -128,8 +128,8 @@ def policy_stats(
         rollout: what is known of μ at each position.
         chunk_size: positions per chunk; by default the chunk's float32 temporaries stay within
             ``CHUNK_FRACTION`` of the logits' size (between 1 MiB and 64 MiB).
-        need_sq_norm: compute ‖π‖² = Σ exp(2·log π) (needed by the ``tail``, ``uniform`` and ``full`` estimators).
-        need_uniform: also sum sign(π_j − u)·π_j and ·π_j² off S in this pass (the ``uniform`` estimator's
+        need_sq_norm: compute ‖π‖² = Σ exp(2·log π) (needed by the ``proportional``, ``exactpi`` and ``full`` estimators).
+        need_uniform: also sum sign(π_j − u)·π_j and ·π_j² off S in this pass (the ``exactpi`` estimator's
             TV); otherwise a second pass over the retained logits computes them if they are ever used.
         response_mask: [...] 0/1; positions outside it may hold any padding in ``tokens`` and ``rollout``
             (they are replaced by a neutral token before validation; their statistics are meaningless).
@@ -162,7 +162,7 @@ def policy_stats(
 
 
 def _uniform_pass(logits: Tensor, rows: int, prep: Prepared, acc: Accumulators) -> Tensor:
-    """[2, ...] the uniform estimator's sums by a second pass over the logits."""
+    """[2, ...] the exactpi estimator's sums by a second pass over the logits."""
     only = replace(acc, full=None, uniform=torch.zeros(2, prep.n, dtype=acc.lse.dtype, device=acc.lse.device))
     flat_u = prep.flat_even_mu
     with torch.no_grad():
@@ -188,9 +188,10 @@ def stats_from_set(
         logp: log π(a) [...], as the trainer computed it (keeps its gradient).
         tokens: a [...]; rollout: μ, already ``validated`` against the tokens (binary or top-K).
         set_logp: log π at S [..., C], the columns of ``rollout.topk_ids`` then a (C = 1 for binary).
-        sq_norm: ‖π‖² [...] if the trainer's forward reduced it (needed by ``tail`` and ``uniform``).
-        vocab_size: V, for the ``uniform`` estimator's even tail u = μ_R / (V − |S|) (its KL form;
-            its TV form needs sums over the vocabulary that only a pass gives).
+        sq_norm: ‖π‖² [...] if the trainer's forward reduced it (needed by ``proportional`` and ``exactpi``).
+        vocab_size: V, for the tails spread over the T = V − |S| ids off S: the paper's ``uniform``
+            estimator and the KL form of ``exactpi`` (its TV form needs sums over the vocabulary that
+            only a pass gives).
     Off S nothing is summed, so π_R = 1 − π(S) (by expm1) and Q = ‖π‖² − Σ_S π² (clamped into
     [0, π_R²], the range the true value lies in): less precise than ``policy_stats`` when π_R < ~1e-6.
     """
@@ -244,7 +245,7 @@ class Prepared:
 
     @property
     def flat_even_mu(self) -> Tensor:
-        """u [n] of the uniform estimator."""
+        """u [n] of the exactpi estimator."""
         return _even_mu(self.set_mu, self.tail_count).reshape(self.n)
 
 

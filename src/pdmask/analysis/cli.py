@@ -138,7 +138,7 @@ def agreement_table(summary: dict, kind: str):
 
 
 def tracking_table(summary: dict):
-    """How the top-K estimators (and gw_tail) track their full-information versions, per divergence."""
+    """How the top-K estimators (and gw_proportional) track their full-information versions, per divergence."""
     from rich.table import Table
 
     table = Table(title="Top-K estimators against the full one (all analysed tokens)", title_justify="left")

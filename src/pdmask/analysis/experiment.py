@@ -9,7 +9,7 @@ Recipe (docs/analysis.md):
    π moves away from μ; for ``mismatch`` they use lr = 0, which fills Adam's second moment v (its
    preconditioner) without moving the weights.
 3. On the last minibatch (π = the current weights in fp32), per response token with A ≠ 0: the signals
-   (ratio sign, PDM full/bucket/tail at each K, G_W) and the true D; on a sample of them the autograd
+   (ratio sign, PDM full and each top-K estimator at each K, G_W) and the true D; on a sample of them the autograd
    ground truth (plain, Adam-preconditioned, output layer only); on all of them the actual change of D
    after one real step on the whole minibatch (Adam with its state, and a plain gradient step of the
    same parameter-space length), and every direction mask's decision (``maskview``).
@@ -254,7 +254,7 @@ def run_analysis(
     masks = mask_decisions(policy_stats(zf, tokens, top), a, cfg.delta)
     for kind in KINDS:
         raw[kind]["gw_full"] = kernel_change(zf, tokens, top, w, kind, "full")
-        raw[kind][f"gw_tail@{max(cfg.ks)}"] = kernel_change(zf, tokens, top, w, kind, "tail")
+        raw[kind][f"gw_proportional@{max(cfg.ks)}"] = kernel_change(zf, tokens, top, w, kind, "proportional")
     ratio_dir = (full.pi_a - full.mu_a).double()
     signals = {
         kind: {"ratio": a * ratio_dir}

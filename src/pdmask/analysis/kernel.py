@@ -7,7 +7,7 @@ the token's own gradient ∇_h log π_a = Wᵀ(e_a − π), D would change by
     G_W = ⟨Wᵀ ∇_z D, Wᵀ (e_a − π)⟩,     W ∈ R^{V×d} the unembedding matrix.
 
 ∇_z D has closed forms: KL(μ‖π): π − μ; TV: ½ π ⊙ (s − ⟨s, π⟩), s = sign(π − μ). With top-K
-information (``tail``), μ's tail is taken proportional to π's tail, as in method.md's ``tail``
+information (``proportional``), μ's tail is taken proportional to π's tail, as in method.md's ``proportional``
 estimator, so the tail part of ∇_z D is proportional to π and Wᵀ∇_z D costs one product Wᵀπ plus
 K+1 gathered rows of W.
 """
@@ -23,7 +23,7 @@ from pdmask.rollout import RolloutLogprobs
 def _topk_set(rollout: RolloutLogprobs, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     """S = TopK(μ) ∪ {a} as ids [n, k+1], μ at S [n, k+1] and a validity mask [n, k+1] (a listed once)."""
     if rollout.topk_ids is None or rollout.topk_logp is None:
-        raise ValueError("the tail estimator needs top-K information: rollout.topk_ids and rollout.topk_logp.")
+        raise ValueError("the proportional estimator needs top-K information: rollout.topk_ids and rollout.topk_logp.")
     if not 1 <= k <= rollout.k:
         raise ValueError(f"k must be in [1, {rollout.k}] (the rollout's K), got {k}.")
     # Engines list top-K by decreasing probability; sort anyway so the first k are μ's k most likely.
@@ -51,10 +51,10 @@ def kernel_change(
 
     Args:
         logits: z [n, V] (after temperature); tokens: a [n]; weight: W [V, d].
-        rollout: μ; ``full`` needs ``full_logp``, ``tail`` needs top-K.
+        rollout: μ; ``full`` needs ``full_logp``, ``proportional`` needs top-K.
         kind: "tv" | "kl" (KL(μ‖π)).
-        estimator: "full" (exact μ) or "tail" (top-k of μ, tail proportional to π's).
-        k: how many of μ's top log-probs ``tail`` uses (default: all the rollout has).
+        estimator: "full" (exact μ) or "proportional" (top-k of μ, tail proportional to π's).
+        k: how many of μ's top log-probs ``proportional`` uses (default: all the rollout has).
     Returns:
         G_W [n], float64.
     """
@@ -75,7 +75,7 @@ def kernel_change(
             s = (pi - mu).sign()
             grad_z = 0.5 * pi * (s - (s * pi).sum(-1, keepdim=True))
         w_g = grad_z @ w
-    elif estimator == "tail":
+    elif estimator == "proportional":
         ids, mu_s, valid = _topk_set(rollout, tokens, rollout.k if k is None else k)
         pi_s = pi.gather(-1, ids) * valid
         pi_r = (1 - pi_s.sum(-1)).clamp(min=0)
@@ -94,5 +94,5 @@ def kernel_change(
             coef = pi_s * (s_s - s_r[:, None]) * valid
             w_g = 0.5 * ((s_r - s_bar)[:, None] * w_pi + torch.einsum("nk,nkd->nd", coef, rows))
     else:
-        raise ValueError(f"estimator must be 'full' or 'tail', got {estimator!r}.")
+        raise ValueError(f"estimator must be 'full' or 'proportional', got {estimator!r}.")
     return (w_g * w_u).sum(-1)

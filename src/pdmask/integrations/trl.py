@@ -99,8 +99,8 @@ class PDMConfig(GRPOConfig):
     """
 
     mask_method: str = field(
-        default="pdm_tail_tv",
-        metadata={"help": "Trust-region mask: any name in pdmask.METHODS (ppo_clip, dppo_binary_tv, pdm_tail_tv…)."},
+        default="pdm_proportional_tv",
+        metadata={"help": "Trust-region mask: any name in pdmask.METHODS (ppo_clip, dppo_binary_tv, pdm_proportional_tv…)."},
     )
     # Not `top_k`: GRPOConfig.top_k is the sampler's top-k filter.
     mask_top_k: int = field(default=20, metadata={"help": "K: top log-probs of the rollout policy kept per token."})
@@ -143,7 +143,7 @@ class PDMConfig(GRPOConfig):
                 if method.needs == "full":
                     raise NotImplementedError(
                         f"mask_method={method.name!r} needs all of μ, but vLLM returns its top K: use a top-K method "
-                        "(pdm_tail_*, dppo_topk_*) with use_vllm=True."
+                        "(pdm_proportional_*, dppo_topk_*) with use_vllm=True."
                     )
                 if self.vllm_mode == "colocate" and self.mask_top_k > VLLM_MAX_LOGPROBS:
                     raise ValueError(

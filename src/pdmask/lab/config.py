@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Config:
     # What a sweep varies.
-    method: str = "pdm_tail_tv"  # any key of pdmask.METHODS
+    method: str = "pdm_proportional_tv"  # any key of pdmask.METHODS
     seed: int = 0
     model: str = "tiny"  # tiny | small | medium | smollm2-135m | hf:PATH
     rollout_dtype: str = "bf16"  # the rollout engine's precision: fp32 | bf16 | fp16 | fp8 (trainer: fp32)
@@ -323,12 +323,12 @@ class Sweep:
         return self
 
 
-CORE_METHODS = ("ppo_clip", "pg_is", "dppo_binary_tv", "dppo_topk_tv", "pdm_bucket_tv", "pdm_tail_tv")
+CORE_METHODS = ("ppo_clip", "pg_is", "dppo_binary_tv", "dppo_topk_tv", "pdm_aggregated_tv", "pdm_proportional_tv")
 #: The default comparison: no trust region, PPO, DPPO and the top-K predictive estimators (uniform once registered).
-DEFAULT_METHODS = ("pg_is", "ppo_clip", "dppo_topk_tv", "pdm_bucket_tv", "pdm_tail_tv") + tuple(
-    m for m in ("pdm_uniform_tv",) if m in METHODS
+DEFAULT_METHODS = ("pg_is", "ppo_clip", "dppo_topk_tv", "pdm_aggregated_tv", "pdm_proportional_tv") + tuple(
+    m for m in ("pdm_exactpi_tv",) if m in METHODS
 )
-SIZES_METHODS = ("pg_is", "ppo_clip", "dppo_topk_tv", "dppo_topk_kl", "pdm_tail_tv", "pdm_tail_kl")
+SIZES_METHODS = ("pg_is", "ppo_clip", "dppo_topk_tv", "dppo_topk_kl", "pdm_proportional_tv", "pdm_proportional_kl")
 #: The calibrated shared setting (docs/lab.md, "Calibration"): FP8 rollouts, 8 prompts x 8 samples,
 #: 2 epochs x 4 minibatches per rollout batch, 100 steps.
 CALIBRATED = Config(steps=100, prompts_per_step=8, minibatches=4, eval_every=10)
@@ -382,7 +382,7 @@ PRESETS: dict[str, Sweep] = {
             minibatches=2,
             tensorboard=False,
         ),
-        ("dppo_topk_tv", "pdm_tail_tv"),
+        ("dppo_topk_tv", "pdm_proportional_tv"),
         (0,),
         ("smollm2-135m",),
         ("fp32",),

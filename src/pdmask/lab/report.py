@@ -98,9 +98,9 @@ READING_GUIDE = """## How to read this
   method's own divergence (TV at top-K for ppo_clip and pg_is) between the current policy and μ during the updates.
   *dir. disagree*: among tokens beyond the TV threshold, the share where DPPO's direction sign(π_a − μ_a) and the
   predictive sign(G) differ. *growth*: mismatch TV over the last tenth of the steps minus over the first tenth.
-- *tail masks differ*: share of response tokens on which the masks of pdm_bucket, pdm_tail (and pdm_uniform where
-  the registry has it) with the run's divergence and thresholds disagree, on the same logits and μ. They can only
-  differ where π or μ keeps mass outside TopK(μ) ∪ {a}.
+- *tail masks differ*: share of response tokens on which the masks of the four top-K predictive estimators (the
+  paper's pdm_aggregated and pdm_uniform, pdmask's pdm_proportional and pdm_exactpi) with the run's divergence and
+  thresholds disagree, on the same logits and μ. They can only differ where π or μ keeps mass outside TopK(μ) ∪ {a}.
 - *Did the trust region matter?* compares `pg_is` (no mask) with the masked method of highest final accuracy, paired
   by seed; *Did PDM differ from DPPO?* compares each `pdm_*` with the DPPO mask of the same divergence and information.
 """

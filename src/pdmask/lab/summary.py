@@ -212,11 +212,11 @@ def _strip(per_seed: dict[str, dict[int, float]]) -> str:
 
 
 def tail_words(methods: dict[str, dict[str, Any]]) -> str:
-    """How often the bucket/tail/uniform masks differed, and the mass off TopK(μ) ∪ {a}."""
+    """How often the top-K predictive estimators' masks differed, and the mass off TopK(μ) ∪ {a}."""
     differ = sum(e["tail_masks_differ_frac"]["mean"] for e in methods.values()) / len(methods)
     rest = sum(e["pi_rest_mean"]["mean"] for e in methods.values()) / len(methods)
     return (
-        f"The top-K predictive estimators' masks (bucket, tail, uniform where available) differed on {differ:.3%} of "
+        f"The top-K predictive estimators' masks (the paper's aggregated and uniform tails, pdmask's proportional and exactpi) differed on {differ:.3%} of "
         f"response tokens on average; π kept {rest:.2%} of its mass outside TopK(μ) ∪ {{a}}."
     )
 

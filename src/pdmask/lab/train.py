@@ -37,13 +37,12 @@ from pdmask.lab.tasks import Task, build_task
 
 FULL_LOGP_BUDGET = 2**25  # floats: above this the engine returns top-K only and mismatch is a top-K estimate
 
-#: The top-K predictive estimators whose masks ``tail_metrics`` compares (those the registry has).
-TAIL_ESTIMATORS = ("bucket", "tail", "uniform")
+#: The top-K predictive estimators whose masks ``tail_metrics`` compares: the paper's two, then pdmask's.
+TAIL_ESTIMATORS = ("aggregated", "uniform", "proportional", "exactpi")
 #: Shares logged by ``tail_metrics``, pooled over a step's updates by their token counts.
 TAIL_DENOMINATORS = {
     "tail/masks_differ_frac": "count/tokens",
-    "tail/bucket_vs_tail_frac": "count/tokens",
-    "tail/uniform_vs_tail_frac": "count/tokens",
+    "tail/paper_tails_differ_frac": "count/tokens",
     "tail/pi_rest_mean": "count/tokens",
     "tail/mu_rest_mean": "count/tokens",
 }
@@ -102,15 +101,18 @@ def tail_metrics(
 ) -> dict[str, float]:
     """How much the top-K predictive estimators' masks differ on one update, and the mass off S = TopK(μ) ∪ {a}.
 
-    The masks are those of pdm_{bucket,tail,uniform}_{kind} (kind: the method's, TV for ppo_clip and
-    pg_is) with the run's thresholds, on the same logits and μ; they can only differ where π or μ
-    keeps mass off S. ``tail/masks_differ_frac``: share of response tokens on which they do not all
-    agree; ``tail/pi_rest_mean`` / ``tail/mu_rest_mean``: mean π_R and μ_R.
+    The masks are those of pdm_{aggregated,uniform,proportional,exactpi}_{kind} (kind: the method's,
+    TV for ppo_clip and pg_is) with the run's thresholds, on the same logits and μ; they can only
+    differ where π or μ keeps mass off S. ``tail/masks_differ_frac``: share of response tokens on
+    which they do not all agree; ``tail/paper_tails_differ_frac``: on which the paper's aggregated-tail
+    and uniform-tail masks differ; ``tail/pi_rest_mean`` / ``tail/mu_rest_mean``: mean π_R and μ_R.
     """
     kind = METHODS[cfg.method].kind or "tv"
-    names = {e: f"pdm_{e}_{kind}" for e in TAIL_ESTIMATORS if f"pdm_{e}_{kind}" in METHODS}
+    names = {e: f"pdm_{e}_{kind}" for e in TAIL_ESTIMATORS}
     topk = RolloutLogprobs(mu.logp, mu.topk_ids, mu.topk_logp)
-    stats = pdmask.policy_stats(logits.detach(), tokens, topk, need_sq_norm=True, response_mask=response_mask)
+    stats = pdmask.policy_stats(
+        logits.detach(), tokens, topk, need_sq_norm=True, need_uniform=kind == "tv", response_mask=response_mask
+    )
     keep = {
         e: pdmask.trust_region_mask(n, stats, advantages, response_mask, **cfg.replace(method=n).thresholds())
         for e, n in names.items()
@@ -121,12 +123,10 @@ def tail_metrics(
     first = next(iter(keep.values()))
     out = {
         "tail/masks_differ_frac": share(torch.stack([k != first for k in keep.values()]).any(0)),
+        "tail/paper_tails_differ_frac": share(keep["aggregated"] != keep["uniform"]),
         "tail/pi_rest_mean": stats.rest_mass[valid].sum().item() / n,
-        "tail/mu_rest_mean": (1 - stats.set_mu.sum(-1)).clamp(min=0)[valid].sum().item() / n,
+        "tail/mu_rest_mean": stats.rollout_rest_mass[valid].sum().item() / n,
     }
-    for e in ("bucket", "uniform"):
-        if e in keep and "tail" in keep:
-            out[f"tail/{e}_vs_tail_frac"] = share(keep[e] != keep["tail"])
     return out
 
 
