@@ -144,14 +144,14 @@ def test_resume_after_sigkill(tmp_path):
 
 
 def test_step_metrics_pool_shares_over_updates():
-    from pdmask.lab.train import _mean_metrics
+    from pdmask import pool_metrics
 
     # Two updates: 1 of 10 beyond-threshold tokens disagree, then no token is beyond the threshold.
     rows = [
         {"mask/direction_disagree_frac": 0.1, "count/beyond_threshold": 10.0, "div/max": 0.3, "grad/norm": 1.0},
         {"mask/direction_disagree_frac": 0.0, "count/beyond_threshold": 0.0, "div/max": 0.5, "grad/norm": 3.0},
     ]
-    out = _mean_metrics(rows)
+    out = pool_metrics(rows)
     assert out["mask/direction_disagree_frac"] == pytest.approx(0.1)
     assert out["div/max"] == 0.5 and out["grad/norm"] == 2.0 and "count/beyond_threshold" not in out
 

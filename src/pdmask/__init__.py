@@ -2,8 +2,17 @@
 
 from pdmask.estimators import divergence, predicted_change
 from pdmask.hidden import policy_stats_from_hidden
-from pdmask.loss import AGG_MODES, FRACTION_DENOMINATORS, aggregate_loss, mask_metrics, per_token_loss, policy_loss
-from pdmask.methods import METHODS, MaskMethod, get_method, trust_region_mask
+from pdmask.loss import (
+    AGG_MODES,
+    FRACTION_DENOMINATORS,
+    aggregate_loss,
+    decision_loss,
+    mask_metrics,
+    per_token_loss,
+    policy_loss,
+    pool_metrics,
+)
+from pdmask.methods import METHODS, MaskDecision, MaskMethod, decide, get_method, method_thresholds, trust_region_mask
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import FullReductions, PolicyStats, policy_stats, stats_from_set
 
@@ -14,17 +23,22 @@ __all__ = [
     "FRACTION_DENOMINATORS",
     "METHODS",
     "FullReductions",
+    "MaskDecision",
     "MaskMethod",
     "PolicyStats",
     "RolloutLogprobs",
     "aggregate_loss",
+    "decide",
+    "decision_loss",
     "divergence",
     "get_method",
     "mask_metrics",
+    "method_thresholds",
     "per_token_loss",
     "policy_loss",
     "policy_stats",
     "policy_stats_from_hidden",
+    "pool_metrics",
     "predicted_change",
     "stats_from_set",
     "trust_region_mask",

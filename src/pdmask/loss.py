@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping, Sequence
+
 import torch
 from torch import Tensor
 
 from pdmask.estimators import SQ_NORM_ESTIMATORS, divergence, predicted_change
-from pdmask.methods import (
-    DELTA_TV,
-    MaskMethod,
-    _broadcast_advantages,
-    beyond_threshold,
-    get_method,
-    resolve_thresholds,
-    trust_region_mask,
-)
+from pdmask.methods import DELTA_TV, MaskDecision, MaskMethod, beyond_threshold, decide, get_method
 from pdmask.rollout import RolloutLogprobs, as_bool_mask
 from pdmask.stats import PolicyStats, policy_stats
 
@@ -41,12 +36,16 @@ def per_token_loss(
     **thresholds: float | None,
 ) -> tuple[Tensor, Tensor]:
     """(loss_mat [...], keep [...]) with loss_t = −M_t · sg(min(r, c)) · A · log π(a)."""
-    m = get_method(method)
-    cap = resolve_thresholds(m, thresholds)["ratio_cap"]
-    keep = trust_region_mask(m, stats, advantages, response_mask, **thresholds)
-    adv = _broadcast_advantages(advantages, stats.logp.shape).to(stats.logp.dtype)
-    weight = keep.to(stats.logp.dtype) * stats.ratio.clamp(max=cap) * adv
-    return -weight * stats.logp, keep
+    decision = decide(method, stats, advantages, response_mask, **thresholds)
+    return decision_loss(decision), decision.keep
+
+
+def decision_loss(decision: MaskDecision) -> Tensor:
+    """loss_mat [...] = −M_t · sg(min(r, c)) · A · log π(a) for a mask decision; only log π(a) has a gradient."""
+    stats = decision.stats
+    cap = decision.thresholds["ratio_cap"]
+    weight = decision.keep.to(stats.logp.dtype) * stats.ratio.clamp(max=cap) * decision.advantages.to(stats.logp.dtype)
+    return -weight * stats.logp
 
 
 def aggregate_loss(
@@ -133,7 +132,7 @@ def policy_loss(
     m = get_method(method)
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}; got {agg!r}.")
-    need_sq = m.needs_sq_norm or rollout.info != "binary"  # the disagreement metric uses G_tail / G_full
+    need_sq = m.needs_sq_norm or rollout.info != "binary"  # the disagreement metric uses G_proportional / G_full
     stats = policy_stats(
         logits,
         tokens,
@@ -143,45 +142,57 @@ def policy_loss(
         need_uniform=m.needs_uniform,  # in the same pass: a second pass on first use would cost more
         response_mask=response_mask,
     )
-    loss_mat, keep = per_token_loss(m, stats, advantages, response_mask, **thresholds)
-    loss = aggregate_loss(loss_mat, response_mask, agg, cu_seqlens=cu_seqlens, norm_length=norm_length)
-    return loss, mask_metrics(m, stats, advantages, response_mask, keep, **thresholds) | {"loss/policy": loss.item()}
+    decision = decide(m, stats, advantages, response_mask, **thresholds)
+    loss = aggregate_loss(decision_loss(decision), response_mask, agg, cu_seqlens=cu_seqlens, norm_length=norm_length)
+    return loss, mask_metrics(decision) | {"loss/policy": loss.item()}
 
 
 @torch.no_grad()
 def mask_metrics(
-    method: str | MaskMethod,
-    stats: PolicyStats,
-    advantages: Tensor,
-    response_mask: Tensor,
-    keep: Tensor,
+    decision: MaskDecision | str | MaskMethod,
+    stats: PolicyStats | None = None,
+    advantages: Tensor | None = None,
+    response_mask: Tensor | None = None,
+    keep: Tensor | None = None,
     **thresholds: float | None,
 ) -> dict[str, float]:
-    """Plain-float metrics over response tokens: dropped fractions, divergence, ratio, direction disagreement.
+    """Plain-float metrics of a ``MaskDecision`` over its response tokens: dropped shares, D, ratio, disagreement.
 
     The divergence is the method's own (TV at the richest information for ppo_clip and pg_is);
     ``mask/direction_disagree_frac`` is the share of tokens beyond the threshold where sign(π_a − μ_a)
     and sign(G) differ, G from the method's estimator or the best one the rollout allows (0 on binary
     information, where the two coincide). ``count/*`` give each share's denominator, to pool shares
-    over micro-batches (``FRACTION_DENOMINATORS``).
+    over micro-batches (``pool_metrics``). The older call ``mask_metrics(method, stats, advantages,
+    response_mask, keep, **thresholds)`` still works, with a DeprecationWarning.
     """
-    m = get_method(method)
-    shape = stats.logp.shape
-    mask = as_bool_mask(response_mask, shape)
-    adv = _broadcast_advantages(advantages, shape).to(stats.rollout_logp.dtype)
-    kind, info = ("tv", stats.info) if m.kind is None or m.info is None else (m.kind, m.info)
-    t = resolve_thresholds(m, thresholds)
-    delta_low, delta_high = t.get("delta_low", DELTA_TV), t.get("delta_high", DELTA_TV)
-    d = divergence(stats, kind, info)
-    beyond = beyond_threshold(d, adv, delta_low, delta_high) & mask
-    estimator = m.estimator or {"full": "full", "topk": "proportional", "binary": None}[stats.info]
-    if estimator in SQ_NORM_ESTIMATORS and stats.sq_norm is None:
-        estimator = "aggregated" if stats.has_topk else None
-    if estimator is None:
+    if not isinstance(decision, MaskDecision):
+        warnings.warn(
+            "mask_metrics(method, stats, advantages, response_mask, keep, ...) is deprecated: pass the decision, "
+            "mask_metrics(pdmask.decide(method, stats, advantages, response_mask, ...)).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if stats is None or advantages is None or response_mask is None:
+            raise TypeError("mask_metrics(method, ...) needs stats, advantages and response_mask.")
+        decision = decide(decision, stats, advantages, response_mask, **thresholds)
+    m, stats, adv, mask = decision.method, decision.stats, decision.advantages, decision.response
+    if decision.divergence is not None and decision.beyond is not None:
+        kind, d, beyond = m.kind, decision.divergence, decision.beyond & mask
+    else:  # ppo_clip, pg_is: measured with TV at the richest information, against δ_TV
+        kind, d = "tv", divergence(stats, "tv", stats.info)
+        beyond = beyond_threshold(d, adv, DELTA_TV, DELTA_TV) & mask
+    if m.rule == "pdm":
+        g = decision.direction
+    else:
+        estimator = {"full": "full", "topk": "proportional", "binary": None}[stats.info]
+        if estimator in SQ_NORM_ESTIMATORS and stats.sq_norm is None:
+            estimator = "aggregated" if stats.has_topk else None
+        g = None if estimator is None else predicted_change(stats, kind, estimator)
+    if g is None:
         disagree = torch.zeros_like(beyond)
     else:
-        g = predicted_change(stats, kind, estimator)
         disagree = beyond & (torch.sign(stats.pi_a - stats.mu_a) != torch.sign(g))
+    keep = decision.keep
     pos, neg = mask & (adv > 0), mask & (adv < 0)
     # float64: a ratio past e^88 (μ(a) tiny, a real engine/trainer mismatch) is still a finite number to log.
     ratio = (stats.logp.detach() - stats.rollout_logp).double().exp()[mask]
@@ -204,6 +215,25 @@ def mask_metrics(
     }
 
 
+def pool_metrics(rows: Sequence[Mapping[str, float]], denominators: Mapping[str, str] = FRACTION_DENOMINATORS) -> dict[str, float]:
+    """Pool per-update (or per-process) metric dicts into one: a share weighted by its count
+    (``denominators``), ``*/max`` as the maximum, anything else as the mean; ``count/*`` are dropped."""
+    out = {}
+    for key in rows[0]:
+        if key.startswith("count/"):
+            continue
+        values = [float(r[key]) for r in rows]
+        if key.endswith("/max"):
+            out[key] = max(values)
+        elif key in denominators:  # a mean of shares would over-weight small or empty updates
+            weights = [float(r[denominators[key]]) for r in rows]
+            total = sum(weights)
+            out[key] = sum(v * w for v, w in zip(values, weights)) / total if total else 0.0
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
 def _frac(part: Tensor, whole: Tensor) -> float:
     n = int(whole.sum().item())
     return float(part.sum().item()) / n if n else 0.0
@@ -217,4 +247,13 @@ def _quantile(x: Tensor, q: float) -> float:
     return x.kthvalue(k).values.item()
 
 
-__all__ = ["AGG_MODES", "aggregate_loss", "mask_metrics", "per_token_loss", "policy_loss"]
+__all__ = [
+    "AGG_MODES",
+    "FRACTION_DENOMINATORS",
+    "aggregate_loss",
+    "decision_loss",
+    "mask_metrics",
+    "per_token_loss",
+    "policy_loss",
+    "pool_metrics",
+]

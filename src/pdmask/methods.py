@@ -188,6 +188,63 @@ def beyond_threshold(divergence_value: Tensor, advantages: Tensor, delta_low: fl
     return ((advantages > 0) & (divergence_value > delta_high)) | ((advantages < 0) & (divergence_value > delta_low))
 
 
+@dataclass(frozen=True)
+class MaskDecision:
+    """One method's mask and its reasons, each [...] and detached; None where the rule has no such part.
+
+    ``keep`` is M (True = keep; False outside the response); a token is dropped when it is ``beyond``
+    (D > δ for its advantage's sign) and A·``direction`` > 0, with direction π_a − μ_a (DPPO) or G (PDM).
+    """
+
+    method: MaskMethod
+    stats: PolicyStats
+    advantages: Tensor  # A at every position, in μ's float dtype
+    response: Tensor  # bool: the response positions (all True when no response mask was given)
+    thresholds: Mapping[str, float]  # the method's defaults with the caller's overrides
+    keep: Tensor
+    divergence: Tensor | None = None
+    beyond: Tensor | None = None
+    direction: Tensor | None = None
+
+
+def decide(
+    method: str | MaskMethod,
+    stats: PolicyStats,
+    advantages: Tensor,
+    response_mask: Tensor | None = None,
+    **thresholds: float | None,
+) -> MaskDecision:
+    """The mask of one method with its reasons (``MaskDecision``), each quantity computed once.
+
+    Thresholds (keyword, None = default): delta_low, delta_high for divergence methods; eps_low,
+    eps_high for ``ppo_clip``; ratio_cap everywhere (used by the loss, not by the mask).
+    """
+    m = get_method(method)
+    check_information(m, stats)
+    t = resolve_thresholds(m, thresholds)
+    adv = _broadcast_advantages(advantages, stats.logp.shape).to(stats.rollout_logp.dtype)
+    shape = stats.logp.shape
+    response = torch.ones(shape, dtype=torch.bool, device=adv.device) if response_mask is None else as_bool_mask(response_mask, shape)
+    d = beyond = direction = None
+    with torch.no_grad():
+        if m.rule == "none":
+            drop = torch.zeros_like(adv, dtype=torch.bool)
+        elif m.rule == "ppo_clip":
+            r = stats.ratio
+            drop = ((adv > 0) & (r > 1 + t["eps_high"])) | ((adv < 0) & (r < 1 - t["eps_low"]))
+        else:
+            assert m.kind is not None and m.info is not None
+            d = divergence(stats, m.kind, m.info)
+            beyond = beyond_threshold(d, adv, t["delta_low"], t["delta_high"])
+            if m.rule == "dppo":
+                direction = stats.pi_a - stats.mu_a
+            else:
+                assert m.estimator is not None
+                direction = predicted_change(stats, m.kind, m.estimator)
+            drop = beyond & (adv * direction > 0)
+    return MaskDecision(m, stats, adv, response, MappingProxyType(t), ~drop & response, d, beyond, direction)
+
+
 def trust_region_mask(
     method: str | MaskMethod,
     stats: PolicyStats,
@@ -197,31 +254,37 @@ def trust_region_mask(
 ) -> Tensor:
     """M [...] (bool, True = keep) of one method; positions outside ``response_mask`` are False.
 
-    Thresholds (keyword, None = default): delta_low, delta_high for divergence methods; eps_low,
-    eps_high for ``ppo_clip``; ratio_cap is accepted everywhere and unused here.
+    Thresholds as in ``decide``; ``decide`` also gives the reasons (D, beyond δ, the direction).
+    """
+    return decide(method, stats, advantages, response_mask, **thresholds).keep
+
+
+def method_thresholds(
+    method: str | MaskMethod,
+    low: float | None = None,
+    high: float | None = None,
+    cap: float | None = None,
+    *,
+    ignore_unused: bool = False,
+) -> dict[str, float]:
+    """A host's (low, high, cap) as the method's threshold keywords; None leaves the method's default.
+
+    low/high are ε_low/ε_high for ``ppo_clip`` and δ_low/δ_high for divergence methods; cap is the
+    ratio cap c. ``pg_is`` has no low/high: given ones raise, unless ``ignore_unused`` (a host whose
+    config always carries them, such as verl's clip_ratio).
     """
     m = get_method(method)
-    check_information(m, stats)
-    t = resolve_thresholds(m, thresholds)
-    adv = _broadcast_advantages(advantages, stats.logp.shape).to(stats.rollout_logp.dtype)
-    with torch.no_grad():
-        if m.rule == "none":
-            keep = torch.ones_like(adv, dtype=torch.bool)
-        elif m.rule == "ppo_clip":
-            r = stats.ratio
-            keep = ~(((adv > 0) & (r > 1 + t["eps_high"])) | ((adv < 0) & (r < 1 - t["eps_low"])))
-        else:
-            assert m.kind is not None and m.info is not None
-            beyond = beyond_threshold(divergence(stats, m.kind, m.info), adv, t["delta_low"], t["delta_high"])
-            if m.rule == "dppo":
-                direction = stats.pi_a - stats.mu_a
-            else:
-                assert m.estimator is not None
-                direction = predicted_change(stats, m.kind, m.estimator)
-            keep = ~(beyond & (adv * direction > 0))
-        if response_mask is not None:
-            keep = keep & as_bool_mask(response_mask, stats.logp.shape)
-    return keep
+    if m.rule == "none":
+        if not ignore_unused and (low is not None or high is not None):
+            raise ValueError(f"method {m.name!r} keeps every token and takes no low/high threshold; leave them unset.")
+        names: dict[str, float | None] = {}
+    elif m.rule == "ppo_clip":
+        names = {"eps_low": low, "eps_high": high}
+    else:
+        names = {"delta_low": low, "delta_high": high}
+    values = {k: float(v) for k, v in (names | {"ratio_cap": cap}).items() if v is not None}
+    resolve_thresholds(m, values)
+    return values
 
 
 def _broadcast_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
@@ -240,4 +303,15 @@ def _broadcast_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
     return advantages
 
 
-__all__ = ["METHODS", "RENAMED_METHODS", "MaskMethod", "beyond_threshold", "canonical_method_name", "get_method", "trust_region_mask"]
+__all__ = [
+    "METHODS",
+    "RENAMED_METHODS",
+    "MaskDecision",
+    "MaskMethod",
+    "beyond_threshold",
+    "canonical_method_name",
+    "decide",
+    "get_method",
+    "method_thresholds",
+    "trust_region_mask",
+]

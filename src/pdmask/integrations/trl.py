@@ -33,18 +33,19 @@ import torch
 from torch import Tensor
 
 from pdmask import (
-    FRACTION_DENOMINATORS,
+    MaskDecision,
     MaskMethod,
     PolicyStats,
     RolloutLogprobs,
+    decide,
+    decision_loss,
     get_method,
     mask_metrics,
-    per_token_loss,
+    method_thresholds,
     policy_stats_from_hidden,
-    trust_region_mask,
+    pool_metrics,
 )
 from pdmask.integrations._version import in_range
-from pdmask.methods import resolve_thresholds
 from pdmask.stats import stats_from_set
 
 #: TRL releases this integration was written and tested against: [TRL_MIN, TRL_MAX).
@@ -162,13 +163,15 @@ class PDMConfig(GRPOConfig):
                     "distribution TRL's own importance ratios use.",
                     stacklevel=2,
                 )
-        resolve_thresholds(method, self.mask_thresholds)  # rejects thresholds the method does not take
+        _ = self.mask_thresholds  # raises on thresholds the method does not take
         super().__post_init__()
 
     @property
-    def mask_thresholds(self) -> dict[str, float | None]:
-        """Threshold keywords for pdmask's mask functions (None = the method's default)."""
-        if get_method(self.mask_method).rule == "ppo_clip":
+    def mask_thresholds(self) -> dict[str, float]:
+        """Threshold keywords for pdmask's mask functions (unset = the method's default): TRL's
+        epsilon/epsilon_high for ppo_clip, delta_low/delta_high/ratio_cap otherwise."""
+        method = get_method(self.mask_method)
+        if method.rule == "ppo_clip":
             if any(v is not None for v in (self.delta_low, self.delta_high, self.ratio_cap)):
                 raise ValueError(
                     "ppo_clip clips with epsilon/epsilon_high: leave delta_low, delta_high and ratio_cap unset."
@@ -178,8 +181,8 @@ class PDMConfig(GRPOConfig):
                     "ppo_clip with delta (TRL's two-sided clip) is not the mask pdmask measures: leave delta unset."
                 )
             high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-            return {"eps_low": self.epsilon, "eps_high": high}
-        return {"delta_low": self.delta_low, "delta_high": self.delta_high, "ratio_cap": self.ratio_cap}
+            return method_thresholds(method, self.epsilon, high)
+        return method_thresholds(method, self.delta_low, self.delta_high, self.ratio_cap)
 
 
 class PDMTrainer(GRPOTrainer):
@@ -303,22 +306,19 @@ class PDMTrainer(GRPOTrainer):
             )
         stats = self._policy_stats(rollout, tokens, mask, logp, caught, logits_to_keep)
         if self.mask_method.rule == "ppo_clip":
-            keep = trust_region_mask(self.mask_method, stats, advantages, mask, **self._thresholds)
-            self._log_mask_metrics(stats, advantages, mask, keep)
+            self._log_mask_metrics(decide(self.mask_method, stats, advantages, mask, **self._thresholds))
             return
         leaf = stats.logp.detach().requires_grad_(True)
+        decision = decide(self.mask_method, replace(stats, logp=leaf), advantages, mask, **self._thresholds)
         with torch.enable_grad():
-            loss_mat, keep = per_token_loss(
-                self.mask_method, replace(stats, logp=leaf), advantages, mask, **self._thresholds
-            )
             # The per-token weight w = M·sg(min(r, c))·A, read off pdmask's surrogate so its formula lives there.
-            (neg_weight,) = torch.autograd.grad(loss_mat.sum(), leaf)
+            (neg_weight,) = torch.autograd.grad(decision_loss(decision).sum(), leaf)
         # log μ handed to TRL is floored at log π − 80, so TRL's own r = exp(log π − old) stays finite in float32.
         old_logp = torch.maximum(stats.rollout_logp, stats.logp.detach() - 80.0)
         ratio = (stats.logp.detach() - old_logp).exp()
         # TRL multiplies the advantage by r = exp(log π − old) with old = log μ; dividing by r here leaves w.
         per_token_advantages = torch.where(ratio > 0, -neg_weight / ratio, torch.zeros_like(ratio))
-        self._log_mask_metrics(stats, advantages, mask, keep)
+        self._log_mask_metrics(decision)
         batch.fill(advantages=per_token_advantages, old_per_token_logps=old_logp)
 
     def _policy_stats(
@@ -371,24 +371,14 @@ class PDMTrainer(GRPOTrainer):
             sq_norm = torch.cat([x[:, -logits_to_keep:] for x in caught["log_sum_sq_probs"]]).float().exp()
         return stats_from_set(logp, tokens, rollout, set_logp, sq_norm=sq_norm, vocab_size=head.weight.shape[0])
 
-    def _log_mask_metrics(self, stats: PolicyStats, advantages: Tensor, mask: Tensor, keep: Tensor) -> None:
-        """pdmask's metrics into TRL's ``_metrics`` as ``pdmask/...``, over all processes: shares pooled
-        by their token counts, ``*/max`` as the maximum, the rest as the mean."""
-        metrics = mask_metrics(self.mask_method, stats, advantages, mask, keep, **self._thresholds)
+    def _log_mask_metrics(self, decision: MaskDecision) -> None:
+        """pdmask's metrics into TRL's ``_metrics`` as ``pdmask/...``, pooled over all processes by ``pool_metrics``."""
+        metrics = mask_metrics(decision)
         local = torch.tensor(list(metrics.values()), device=self.accelerator.device)
-        columns = dict(zip(metrics, self.accelerator.gather(local).view(-1, len(metrics)).T))
+        rows = [dict(zip(metrics, row.tolist())) for row in self.accelerator.gather(local).view(-1, len(metrics))]
         mode = "train" if self._policy.training else "eval"
-        for key, column in columns.items():
-            if key.startswith("count/"):
-                continue
-            if key.endswith("/max"):
-                value = column.max()
-            elif key in FRACTION_DENOMINATORS:
-                weight = columns[FRACTION_DENOMINATORS[key]]
-                value = (column * weight).sum() / weight.sum().clamp_min(1.0)
-            else:
-                value = column.mean()
-            self._metrics[mode][f"pdmask/{key}"].append(value.item())
+        for key, value in pool_metrics(rows).items():
+            self._metrics[mode][f"pdmask/{key}"].append(value)
 
 
 class _LateInputs(dict):

@@ -20,7 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="runs/compare", help="output folder (report.md, report.json, plots/, runs/)")
     parser.add_argument("--methods", help="comma-separated methods (overrides the preset)")
-    parser.add_argument("--seeds", type=int, help="number of seeds 0..N-1 (overrides the preset)")
+    parser.add_argument(
+        "--seeds",
+        help="seeds: N (0..N-1), a range A-B (inclusive) or a list 3,5,8 (overrides the preset; a disjoint set checks a verdict)",
+    )
     parser.add_argument("--models", help="comma-separated model sizes (overrides the preset)")
     parser.add_argument(
         "--rollout-dtypes", help="comma-separated rollout precisions fp32,bf16,fp16,fp8 (overrides the preset)"
@@ -41,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_sweep(args: argparse.Namespace):
     from dataclasses import replace
 
-    from pdmask.lab.config import PRESETS, ConfigError, config_from, parse_overrides
+    from pdmask.lab.config import PRESETS, ConfigError, config_from, parse_overrides, parse_seeds
 
     if args.preset not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
@@ -51,7 +54,7 @@ def build_sweep(args: argparse.Namespace):
     if args.methods:
         changes["methods"] = split(args.methods)
     if args.seeds is not None:
-        changes["seeds"] = tuple(range(args.seeds))
+        changes["seeds"] = parse_seeds(args.seeds)
     if args.models:
         changes["models"] = split(args.models)
     if args.rollout_dtypes:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdmask import AGG_MODES, METHODS
+from pdmask import AGG_MODES, METHODS, method_thresholds
 from pdmask.lab.engine import DTYPES, dtype_supported
 from pdmask.lab.models import POLICY_NAMES, SIZES, is_pretrained
 from pdmask.lab.tasks import TASK_NAMES, SequenceTask
@@ -85,14 +85,9 @@ class Config:
     def thresholds(self) -> dict[str, float]:
         """Keyword thresholds for pdmask.policy_loss (only those the method takes; None = default)."""
         m = METHODS[self.method]
-        if m.kind is not None:
-            delta = self.delta_tv if m.kind == "tv" else self.delta_kl
-            values = {"delta_low": delta, "delta_high": delta}
-        elif m.rule == "ppo_clip":
-            values = {"eps_low": self.eps_low, "eps_high": self.eps_high}
-        else:
-            values = {}
-        return {k: v for k, v in {**values, "ratio_cap": self.ratio_cap}.items() if v is not None}
+        # The lab's shared fields per family: δ by divergence, ε for ppo_clip (pg_is reads neither).
+        low, high = {"tv": (self.delta_tv,) * 2, "kl": (self.delta_kl,) * 2, None: (self.eps_low, self.eps_high)}[m.kind]
+        return method_thresholds(m, low, high, self.ratio_cap, ignore_unused=True)
 
     def task_kwargs(self) -> dict[str, Any]:
         if self.task == "arithmetic":
@@ -275,6 +270,24 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
 def add_set_option(parser: Any, help: str) -> None:
     """The repeatable ``--set KEY=VALUE`` option of `pdmask train` and `pdmask compare`."""
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def parse_seeds(spec: str) -> tuple[int, ...]:
+    """``--seeds``: "N" (seeds 0..N-1), "A-B" (A..B inclusive) or a comma list "3,5,8"."""
+    spec = str(spec).strip()
+    try:
+        if "," in spec:
+            seeds = tuple(int(x) for x in spec.split(",") if x.strip())
+        elif "-" in spec.lstrip("-"):
+            lo, hi = (int(x) for x in spec.split("-", 1))
+            seeds = tuple(range(lo, hi + 1))
+        else:
+            seeds = tuple(range(int(spec)))
+    except ValueError:
+        raise ConfigError(f"--seeds {spec!r}: expected N, A-B or a comma list such as 3,5,8") from None
+    if not seeds or min(seeds) < 0:
+        raise ConfigError(f"--seeds {spec!r}: give at least one seed, none negative")
+    return seeds
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:

@@ -39,6 +39,29 @@ def summary_table(setting: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def replication_table(setting: dict[str, Any]) -> list[str]:
+    """Markdown lines: each verdict on all seeds and on the two disjoint halves of the seeds."""
+    rep = setting.get("replication")
+    if rep is None:
+        return ["Replication: fewer than 4 seeds, no halves to check the verdicts on.", ""]
+    h1, h2 = rep["halves"]
+    lines = [
+        f"Each verdict again on two disjoint halves of the seeds ({_seed_words(h1)} and {_seed_words(h2)}):",
+        "",
+        "| verdict | all seeds | first half | second half | replicates |",
+        "|---|---|---|---|---|",
+    ]
+    for key, row in rep["verdicts"].items():
+        a, b = row["halves"]
+        lines.append(f"| {key.replace(':', ' ')} | {row['all']} | {a} | {b} | {'yes' if row['replicates'] else '**no**'} |")
+    return lines + [""]
+
+
+def _seed_words(seeds: list[int]) -> str:
+    contiguous = seeds == list(range(seeds[0], seeds[-1] + 1))
+    return f"seeds {seeds[0]}–{seeds[-1]}" if contiguous and len(seeds) > 2 else f"seeds {', '.join(map(str, seeds))}"
+
+
 def _fmt(ci: dict[str, float]) -> str:
     return Interval(ci["mean"], ci["low"], ci["high"], ci["n"]).fmt()
 
@@ -101,6 +124,9 @@ READING_GUIDE = """## How to read this
 - *tail masks differ*: share of response tokens on which the masks of the four top-K predictive estimators (the
   paper's pdm_aggregated and pdm_uniform, pdmask's pdm_proportional and pdm_exactpi) with the run's divergence and
   thresholds disagree, on the same logits and μ. They can only differ where π or μ keeps mass outside TopK(μ) ∪ {a}.
+- *Did RL learn?* pairs the best masked method's final held-out accuracy with its own start (after SFT) seed by
+  seed. *Replicates*: the verdict that all seeds give is also the one each disjoint half of the seeds gives (a half
+  has half the seeds, so a small real difference may read "within spread" there).
 - *Did the trust region matter?* compares `pg_is` (no mask) with the masked method of highest final accuracy, paired
   by seed; *Did PDM differ from DPPO?* compares each `pdm_*` with the DPPO mask of the same divergence and information.
 """
@@ -148,6 +174,7 @@ def _markdown(report: dict[str, Any], settings: dict[str, Any], plots: dict[str,
         lines += [settings[name]["verdict"], ""]
     for name, setting in settings.items():
         lines += [f"## {name}", "", summary_table(setting), ""]
+        lines += replication_table(setting)
         lines += [f"![{Path(p).stem}]({p})" for p in plots[name]]
         lines.append("")
     lines.append(READING_GUIDE)

@@ -47,6 +47,7 @@ def run_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
         "final_accuracy": _series(rows, "eval/accuracy")[-1][1],
         "mean_accuracy": sum(evals) / len(evals),
         "initial_accuracy": _series(rows, "eval/accuracy")[0][1],
+        "accuracy_gain": _series(rows, "eval/accuracy")[-1][1] - _series(rows, "eval/accuracy")[0][1],
         "peak_to_final_drop": max(evals) - evals[-1],
         "final_train_reward": _mean_of(last, "reward/mean"),
         "dropped_frac": _mean_of(train_rows, "mask/dropped_frac"),
@@ -96,6 +97,7 @@ def analyse(sweep: Sweep, out: Path) -> dict[str, dict[str, Any]]:
                 entry[k] = mean_ci(list(entry["per_seed"][k].values())).as_dict()
             entry["curves"] = {k: _curve(list(runs.values()), k) for k in CURVES}
         setting["comparison"], setting["verdict"], setting["questions"] = verdict(name, setting["methods"])
+        setting["replication"] = replication(setting["methods"], setting["questions"])
     return settings
 
 
@@ -137,6 +139,29 @@ def _ranking_words(methods: dict[str, dict[str, Any]], metric: str, label: str) 
     return comp, words
 
 
+def learning_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Did RL learn? The best masked method's final held-out accuracy against its own SFT start, paired by seed.
+
+    Yes if the paired 95% interval of (final − start) excludes 0 and is positive; "it fell" if it excludes 0
+    and is negative. pg_is's own change is reported beside.
+    """
+    masked = [m for m in methods if m != "pg_is"]
+    if not masked:
+        return None
+    best = max(masked, key=lambda m: methods[m]["final_accuracy"]["mean"])
+    gain = mean_ci(list(methods[best]["per_seed"]["accuracy_gain"].values()))
+    answer = "yes" if gain.excludes_zero and gain.mean > 0 else "fell" if gain.excludes_zero else "not measurably"
+    start = methods[best]["initial_accuracy"]["mean"]
+    words = (
+        f"Did RL learn? {dict(yes='Yes', fell='No, it fell', **{'not measurably': 'Not measurably'})[answer]}: the best "
+        f"masked method, {best}, ends {gain.fmt(signed=True)} in held-out accuracy against its SFT start of {start:.3f} "
+        f"(paired 95% CI over {gain.n} seeds, {'excluding' if gain.excludes_zero else 'including'} 0)"
+    )
+    if "pg_is" in methods:
+        words += f"; pg_is (no trust region) changes by {mean_ci(list(methods['pg_is']['per_seed']['accuracy_gain'].values())).fmt(signed=True)}"
+    return {"best_masked": best, "gain": gain.as_dict(), "answer": answer, "words": words + "."}
+
+
 def trust_region_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """Did the trust region matter? pg_is against the masked method with the best final accuracy, paired.
 
@@ -168,6 +193,7 @@ def trust_region_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] 
         "mean_accuracy_gap": speed.as_dict(),
         "mismatch_growth_gap": growth.as_dict(),
         "mattered": mattered,
+        "answer": "yes" if mattered else "not measurably",
         "words": words,
     }
 
@@ -187,7 +213,8 @@ def pdm_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     for pdm, dppo in pairs:
         d = paired(methods[pdm]["per_seed"]["final_accuracy"], methods[dppo]["per_seed"]["final_accuracy"])
         same = _strip(methods[pdm]["per_seed"]) == _strip(methods[dppo]["per_seed"])
-        rows[pdm] = {"dppo": dppo, "accuracy_diff": d.as_dict(), "identical_runs": same}
+        answer = "identical" if same else "within spread" if not d.excludes_zero else "pdm ahead" if d.mean > 0 else "dppo ahead"
+        rows[pdm] = {"dppo": dppo, "accuracy_diff": d.as_dict(), "identical_runs": same, "answer": answer}
         if same:
             parts.append(f"{pdm} and {dppo} gave identical runs on every seed (their masks never differed)")
         else:
@@ -231,7 +258,7 @@ def verdict(name: str, methods: dict[str, dict[str, Any]]) -> tuple[dict[str, An
     mismatch = sum(mean(m, "mismatch_tv_mean") for m in methods) / len(methods)
     mismatch_max = max(mean(m, "mismatch_tv_max") for m in methods)
     start = sum(mean(m, "initial_accuracy") for m in methods) / len(methods)
-    questions = {"trust_region": trust_region_question(methods), "pdm_vs_dppo": pdm_question(methods)}
+    questions = ask(methods)
     answers = " ".join(q["words"] for q in questions.values() if q is not None)
     facts = (
         f"Held-out accuracy at the start (after SFT): {start:.3f}. "
@@ -248,6 +275,51 @@ def verdict(name: str, methods: dict[str, dict[str, Any]]) -> tuple[dict[str, An
     if twins:
         facts += " " + " ".join(f"{' and '.join(g)} gave identical metrics on every seed." for g in twins)
     return comp, f"**{name}.** {answers} {final_words} {speed_words} {facts}", questions
+
+
+def ask(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
+    """The setting's questions: did RL learn, did the trust region matter, did PDM differ from DPPO."""
+    return {
+        "learning": learning_question(methods),
+        "trust_region": trust_region_question(methods),
+        "pdm_vs_dppo": pdm_question(methods),
+    }
+
+
+def answers(questions: dict[str, dict[str, Any] | None]) -> dict[str, str]:
+    """Each verdict as one short answer: "learning", "trust_region" and "pdm_vs_dppo:<pdm method>"."""
+    out = {k: q["answer"] for k, q in questions.items() if q is not None and "answer" in q}
+    if questions.get("pdm_vs_dppo"):
+        out |= {f"pdm_vs_dppo:{m}": r["answer"] for m, r in questions["pdm_vs_dppo"]["pairs"].items()}
+    return out
+
+
+def restrict(methods: dict[str, dict[str, Any]], seeds: list[int]) -> dict[str, dict[str, Any]]:
+    """The methods' per-seed summaries on a subset of the seeds, with their intervals recomputed."""
+    out = {}
+    for m, e in methods.items():
+        per_seed = {k: {s: v for s, v in vals.items() if s in seeds} for k, vals in e["per_seed"].items()}
+        out[m] = {"per_seed": per_seed} | {k: mean_ci(list(v.values())).as_dict() for k, v in per_seed.items() if v}
+    return out
+
+
+def replication(methods: dict[str, dict[str, Any]], questions: dict[str, dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Each verdict again on two disjoint halves of the seeds (first half, second half of the sorted seeds).
+
+    A verdict replicates when both halves give the answer all seeds give. A half has fewer seeds, so a
+    real but small difference can read "within spread" there: a verdict that does not replicate is weak.
+    """
+    seeds = sorted(set.intersection(*(set(e["per_seed"]["final_accuracy"]) for e in methods.values())))
+    if len(seeds) < 4:
+        return None
+    halves = [seeds[: len(seeds) // 2], seeds[len(seeds) // 2 :]]
+    full = answers(questions)
+    per_half = [answers(ask(restrict(methods, h))) for h in halves]
+    rows = {
+        key: {"all": full[key], "halves": [h.get(key) for h in per_half], "replicates": all(h.get(key) == full[key] for h in per_half)}
+        for key in full
+    }
+    return {"halves": halves, "verdicts": rows}
 
 
 def _identical_groups(methods: dict[str, dict[str, Any]]) -> list[list[str]]:

@@ -130,24 +130,6 @@ def tail_metrics(
     return out
 
 
-def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
-    """Average per-update metrics over a step's updates (maxima stay maxima)."""
-    out = {}
-    for key in rows[0]:
-        if key.startswith("count/"):
-            continue
-        values = [r[key] for r in rows]
-        weight_key = (pdmask.FRACTION_DENOMINATORS | TAIL_DENOMINATORS).get(key)
-        if key.endswith("/max"):
-            out[key] = max(values)
-        elif weight_key is not None:  # a share: pooled over the updates' tokens, not a mean of shares
-            total = sum(r[weight_key] for r in rows)
-            out[key] = sum(r[key] * r[weight_key] for r in rows) / total if total else 0.0
-        else:
-            out[key] = sum(values) / len(values)
-    return out
-
-
 class Run:
     """The state of one run: config, task, trainer policy, rollout engine, optimizer, run directory."""
 
@@ -302,7 +284,7 @@ class Run:
                 self.optimizer.step()
                 tail = tail_metrics(cfg, logits, mb.tokens, _select(mu, idx), advantages[idx], mb.response_mask)
                 updates.append(m | tail | {"grad/norm": grad_norm.item()})
-        metrics |= _mean_metrics(updates)
+        metrics |= pdmask.pool_metrics(updates, pdmask.FRACTION_DENOMINATORS | TAIL_DENOMINATORS)
         metrics["grad/max"] = max(u["grad/norm"] for u in updates)
         metrics["time/rollout"] = t_rollout
         metrics["time/step"] = time.perf_counter() - t0
