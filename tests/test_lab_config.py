@@ -5,7 +5,8 @@ import json
 import pytest
 
 from pdmask.cli import main
-from pdmask.lab.config import PRESETS, Config, ConfigError, config_from, load_config
+from pdmask.lab.config import Config, ConfigError, config_from, load_config
+from pdmask.lab.presets import PRESETS
 
 
 @pytest.mark.parametrize(

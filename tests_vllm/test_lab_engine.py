@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import K, VOCAB, tiny_llama
+from conftest import VOCAB, K, tiny_llama
 
 from pdmask.lab.models import HFPolicy
 from pdmask.lab.vllm_engine import VLLMEngine
@@ -106,7 +106,8 @@ def test_refuses_bad_settings(policy) -> None:
 
 
 def test_config_validates_engine() -> None:
-    from pdmask.lab.config import PRESETS, ConfigError, config_from
+    from pdmask.lab.config import ConfigError, config_from
+    from pdmask.lab.presets import PRESETS
 
     pretrained = {"model": "smollm2-135m", "task": "arithmetic", "heldout_size": 8, "engine": "vllm"}
     assert config_from(pretrained).engine == "vllm"

@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_sweep(args: argparse.Namespace):
     from dataclasses import replace
 
-    from pdmask.lab.config import PRESETS, ConfigError, config_from, parse_overrides, parse_seeds
+    from pdmask.lab.config import ConfigError, config_from, parse_overrides, parse_seeds
+    from pdmask.lab.presets import PRESETS
 
     if args.preset not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")

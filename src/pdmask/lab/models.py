@@ -18,7 +18,6 @@ never need to know which one they hold:
 from __future__ import annotations
 
 import importlib.util
-
 import inspect
 import math
 import os

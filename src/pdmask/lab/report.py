@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from pdmask import jsonio
-from pdmask.lab.config import Sweep
 from pdmask.lab.intervals import Interval
 from pdmask.lab.plots import write_plots
+from pdmask.lab.presets import Sweep
 from pdmask.lab.summary import analyse
 
 

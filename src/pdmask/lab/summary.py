@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdmask.lab.config import Sweep
 from pdmask.lab.intervals import compare_methods, mean_ci, paired, pooled_sd
+from pdmask.lab.presets import Sweep
 from pdmask.lab.sweep import run_dir, setting_name
 
 CURVES = (

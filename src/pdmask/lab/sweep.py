@@ -15,8 +15,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from pdmask.lab.config import Config, Sweep
+from pdmask.lab.config import Config
 from pdmask.lab.models import SIZES, is_pretrained
+from pdmask.lab.presets import Sweep
 from pdmask.lab.sft import sft_path
 
 

@@ -60,28 +60,47 @@ def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tens
 
 
 @torch.no_grad()
-def evaluate(policy: nn.Module, task: Task, batch_size: int = 256) -> dict[str, float]:
-    """Greedy held-out accuracy and reward of the trainer's (float32) policy."""
+def evaluate(
+    policy: nn.Module,
+    task: Task,
+    batch_size: int = 256,
+    *,
+    samples: int = 0,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """Held-out accuracy and reward of the trainer's (float32) policy: greedy, and (``samples`` > 0) the
+    mean accuracy of ``samples`` responses per prompt sampled at ``temperature`` (what RL optimises)."""
     was_training = policy.training
     policy.eval()
-    rewards, correct = [], []
-    for i in range(0, len(task.heldout), batch_size):
-        problems = task.heldout[i : i + batch_size]
-        r = sample(
-            policy,
-            [p.prompt_ids for p in problems],
-            max_new_tokens=task.max_new_tokens,
-            eos_id=task.eos_id,
-            pad_id=task.pad_id,
-            temperature=0.0,
-            top_k_logprobs=1,
-        )
-        for p, resp in zip(problems, r.tokens.tolist()):
-            reward, ok = task.score(p, resp)
-            rewards.append(reward)
-            correct.append(ok)
+
+    def score(problems: list, temp: float) -> tuple[list[float], list[bool]]:
+        rewards, correct = [], []
+        for i in range(0, len(problems), batch_size):
+            part = problems[i : i + batch_size]
+            r = sample(
+                policy,
+                [p.prompt_ids for p in part],
+                max_new_tokens=task.max_new_tokens,
+                eos_id=task.eos_id,
+                pad_id=task.pad_id,
+                temperature=temp,
+                top_k_logprobs=1,
+                generator=generator,
+            )
+            for p, resp in zip(part, r.tokens.tolist()):
+                reward, ok = task.score(p, resp)
+                rewards.append(reward)
+                correct.append(ok)
+        return rewards, correct
+
+    rewards, correct = score(list(task.heldout), 0.0)
+    out = {"eval/accuracy": sum(correct) / len(correct), "eval/reward": sum(rewards) / len(rewards)}
+    if samples > 0:
+        _, sampled = score([p for p in task.heldout for _ in range(samples)], temperature)
+        out["eval/sampled_accuracy"] = sum(sampled) / len(sampled)
     policy.train(was_training)
-    return {"eval/accuracy": sum(correct) / len(correct), "eval/reward": sum(rewards) / len(rewards)}
+    return out
 
 
 def _select(mu: RolloutLogprobs, index: Tensor) -> RolloutLogprobs:
@@ -323,16 +342,22 @@ class Run:
             return _recomputed_mu(logp, ro.tokens, self.cfg.top_k), metrics
         return ro.rollout_logprobs(with_full=self.method.needs == "full"), metrics
 
+    def _evaluate(self) -> dict[str, float]:
+        """Held-out metrics now; the sampled ones draw from their own stream, keyed by (seed, step)."""
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 500_000 + self.step)
+        return evaluate(self.policy, self.task, samples=cfg.eval_samples, temperature=cfg.temperature, generator=g)
+
     def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, Any]]:
         """Train until cfg.steps; returns all metrics rows of the run (including earlier sessions)."""
         cfg = self.cfg
         if self.step == 0:
-            self._log({"step": 0} | evaluate(self.policy, self.task))
+            self._log({"step": 0} | self._evaluate())
         while self.step < cfg.steps:
             metrics = self.train_step()
             self.step += 1
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                metrics |= evaluate(self.policy, self.task)
+                metrics |= self._evaluate()
             self._log({"step": self.step} | metrics)
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                 self.save_checkpoint()

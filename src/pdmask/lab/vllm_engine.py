@@ -54,8 +54,9 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: sync passes tensors by reference
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is 4
         # First: without vLLM this raises ImportError naming the extra to install.
-        from pdmask.integrations.vllm import PROCESSED, engine_kwargs, rollout_from_outputs, sampling_params
         from vllm import LLM
+
+        from pdmask.integrations.vllm import PROCESSED, engine_kwargs, rollout_from_outputs, sampling_params
 
         self._convert, self._params, self._mode = rollout_from_outputs, sampling_params, PROCESSED
         self.dtype, self.top_k_logprobs = dtype, top_k_logprobs
