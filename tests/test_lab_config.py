@@ -66,12 +66,16 @@ def test_presets_are_valid_and_fair():
         for model in sweep.models:  # within a model (a setting), only the method, seed and precision vary
             shared = [{k: v for k, v in c.to_dict().items() if k not in varying} for c in configs if c.model == model]
             assert all(s == shared[0] for s in shared)
-    default = PRESETS["default"]
-    assert {"ppo_clip", "pg_is", "dppo_topk_tv", "pdm_aggregated_tv", "pdm_proportional_tv"} <= set(default.methods)
-    assert len(default.seeds) >= 3 and default.rollout_dtypes != ("fp32",)
+    default = PRESETS["default"]  # the paper's comparison, enough seeds for a verdict
+    assert {"pg_is", "ppo_clip", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl"} <= set(default.methods)
+    assert len(default.seeds) >= 12 and default.rollout_dtypes == ("fp8",) and default.accuracy == "sampled"
+    assert {"dppo_topk_tv", "pdm_aggregated_tv", "pdm_uniform_tv"} <= set(PRESETS["tv"].methods)
+    long = PRESETS["long"]
+    assert len(long.seeds) >= 32 and not set(long.seeds) & set(default.seeds) and set(long.rollout_dtypes) == {"fp8", "bf16"}
+    assert set(default.methods) <= {c.method for c in long.configs() if c.rollout_dtype == "fp8"}
     sizes = PRESETS["sizes"]
     assert set(sizes.models) == {"tiny", "small", "medium"} and len(sizes.rollout_dtypes) >= 2
-    assert {"pg_is", "ppo_clip", "dppo_topk_tv", "dppo_topk_kl", "pdm_proportional_tv", "pdm_proportional_kl"} <= set(sizes.methods)
+    assert {"pg_is", "ppo_clip", "dppo_topk_tv", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_proportional_tv"} <= set(sizes.methods)
     assert len(sizes.seeds) >= 3
     assert {c.steps for c in sizes.configs() if c.model == "medium"} == {sizes.model_overrides["medium"]["steps"]}
     paper = PRESETS["paper"]

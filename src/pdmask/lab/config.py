@@ -67,7 +67,7 @@ class Config:
     # Evaluation every eval_every steps (and at the start and the end): greedy held-out accuracy, and the
     # accuracy of eval_samples responses per held-out prompt sampled at the rollout temperature (0 = off).
     eval_every: int = 15
-    eval_samples: int = 4
+    eval_samples: int = 0
     # SFT warm start (TinyGPT only), cached on disk keyed by the fields it depends on.
     sft_steps: int = 200
     sft_lr: float = 3e-3

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pdmask.lab.summary import ACCURACY_KEYS
+
 
 def write_plots(settings: dict[str, Any], out: Path) -> dict[str, list[str]]:
     """Four figures per setting under out/plots; returns their paths relative to out, per setting."""
@@ -29,7 +31,8 @@ def write_plots(settings: dict[str, Any], out: Path) -> dict[str, list[str]]:
     for name, setting in settings.items():
         paths = []
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        curves(axes[0], setting, "eval/accuracy", "held-out accuracy (greedy), mean ± 95% CI")
+        acc_key = ACCURACY_KEYS[setting["accuracy"]]
+        curves(axes[0], setting, acc_key, f"held-out accuracy ({setting['accuracy']}), mean ± 95% CI")
         curves(axes[1], setting, "reward/mean", "train reward (5-step average), mean ± 95% CI", smooth=5)
         axes[0].legend(fontsize=8)
         paths.append(_save(fig, plot_dir / f"learning_curves_{name}.png"))
@@ -54,7 +57,7 @@ def write_plots(settings: dict[str, Any], out: Path) -> dict[str, list[str]]:
                 zorder=3,
             )
         ax.set_xticks(range(len(ms)), ms, rotation=30, ha="right", fontsize=8)
-        ax.set_title(f"final held-out accuracy, {name} (bars: 95% CI, dots: seeds)", fontsize=10)
+        ax.set_title(f"final held-out accuracy ({setting['accuracy']}), {name} (bars: 95% CI, dots: seeds)", fontsize=10)
         paths.append(_save(fig, plot_dir / f"final_accuracy_{name}.png"))
 
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)

@@ -17,9 +17,10 @@ def summary_table(setting: dict[str, Any]) -> str:
     """Markdown table, methods in order of final held-out accuracy."""
     head = (
         "| method | final held-out acc [95% CI] | mean held-out acc | final train reward | dropped A>0 / A<0 | "
-        "mismatch TV mean / max / growth | D mean / max | dir. disagree | tail masks differ | Δ acc vs leader [paired 95% CI] |"
+        "mismatch TV mean / max / growth | D mean / max | dir. disagree | tail masks differ | Δ acc vs leader [paired 95% CI] | "
+        "other acc |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     comp = setting["comparison"]
     for m in comp["order"]:
         e = setting["methods"][m]
@@ -34,7 +35,8 @@ def summary_table(setting: dict[str, Any]) -> str:
             f"{e['dropped_frac_pos']['mean']:.3%} / {e['dropped_frac_neg']['mean']:.3%} | "
             f"{e['mismatch_tv_mean']['mean']:.4f} / {e['mismatch_tv_max']['mean']:.3f} / {e['mismatch_growth']['mean']:+.4f} | "
             f"{e['div_mean']['mean']:.4f} / {e['div_max']['mean']:.3f} | "
-            f"{e['direction_disagree_frac']['mean']:.1%} | {e['tail_masks_differ_frac']['mean']:.3%} | {delta} |"
+            f"{e['direction_disagree_frac']['mean']:.1%} | {e['tail_masks_differ_frac']['mean']:.3%} | {delta} | "
+            + (f"{e['other_final_accuracy']['mean']:.3f} |" if "other_final_accuracy" in e else "— |")
         )
     return "\n".join(lines)
 
@@ -81,6 +83,7 @@ def write_report(sweep: Sweep, out: Path, preset: str, run_info: dict[str, Any])
         "grid": {
             "methods": list(sweep.methods),
             "seeds": list(sweep.seeds),
+            "accuracy": sweep.accuracy,
             "models": list(sweep.models),
             "rollout_dtypes": list(sweep.rollout_dtypes),
             "per_model": {m: dict(o) for m, o in sweep.model_overrides.items()},
@@ -110,8 +113,9 @@ def _thresholds_words(cfg: dict[str, Any]) -> str:
 
 READING_GUIDE = """## How to read this
 
-- *final held-out acc*: exact-match accuracy of greedy decoding on the fixed held-out prompts after the last step;
-  *mean held-out acc*: its average over the evaluation points (a learning-speed measure).
+- *final held-out acc*: exact-match accuracy on the fixed held-out prompts after the last step, of greedy decoding
+  or (the preset says which) of `eval_samples` responses per prompt sampled at the rollout temperature, the reward
+  RL optimises; *other acc*: the other one of the two; *mean held-out acc*: its average over the evaluation points.
 - Intervals are t-based 95% confidence intervals over seeds; *Δ vs leader* pairs each method with the leader seed by
   seed (same data and rollouts up to the first mask decision that differs). An interval that includes 0 means the
   difference is within the seed-to-seed spread. The intervals are not corrected for the several comparisons made, so
@@ -141,6 +145,8 @@ def _markdown(report: dict[str, Any], settings: dict[str, Any], plots: dict[str,
         "",
         report["description"],
         "",
+        f"- Judged by held-out accuracy: **{g['accuracy']}**"
+        + (f" ({cfg['eval_samples']} responses per prompt sampled at temperature {cfg['temperature']})." if g["accuracy"] == "sampled" else " (greedy decoding)."),
         (
             f"- Grid: {len(g['methods'])} methods × seeds {g['seeds']} × models {g['models']} × rollout precisions {g['rollout_dtypes']} "
             f"({info['runs_expected']} runs; {info['runs_analysed']} finished and analysed; {info['reused']} reused from an earlier invocation)."

@@ -19,6 +19,7 @@ from pdmask.lab.sweep import run_dir, setting_name
 
 CURVES = (
     "eval/accuracy",
+    "eval/sampled_accuracy",
     "reward/mean",
     "mask/dropped_frac_pos",
     "mask/dropped_frac_neg",
@@ -37,17 +38,27 @@ def _mean_of(rows: list[dict[str, Any]], key: str) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def run_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """One number per metric for one run."""
-    evals = [v for s, v in _series(rows, "eval/accuracy") if s > 0]
+#: The held-out accuracies a sweep can judge by: greedy decoding, or responses sampled at the rollout temperature.
+ACCURACY_KEYS = {"greedy": "eval/accuracy", "sampled": "eval/sampled_accuracy"}
+
+
+def run_summary(rows: list[dict[str, Any]], accuracy: str = "greedy") -> dict[str, float]:
+    """One number per metric for one run; ``*_accuracy`` and ``accuracy_gain`` use the chosen held-out
+    accuracy (``ACCURACY_KEYS``), ``other_*`` the other one where the run logged it."""
+    key = ACCURACY_KEYS[accuracy]
+    other = ACCURACY_KEYS["sampled" if accuracy == "greedy" else "greedy"]
+    series = _series(rows, key)
+    if not series:
+        raise ValueError(f"the run logged no {key}: it was made with eval_samples=0; judge it by greedy accuracy.")
+    evals = [v for s, v in series if s > 0]
     train_rows = [r for r in rows if r["step"] > 0]
     tenth = max(1, len(train_rows) // 10)
     first, last = train_rows[:tenth], train_rows[-tenth:]  # the first and the last tenth of the steps
-    return {
-        "final_accuracy": _series(rows, "eval/accuracy")[-1][1],
+    out = {
+        "final_accuracy": series[-1][1],
         "mean_accuracy": sum(evals) / len(evals),
-        "initial_accuracy": _series(rows, "eval/accuracy")[0][1],
-        "accuracy_gain": _series(rows, "eval/accuracy")[-1][1] - _series(rows, "eval/accuracy")[0][1],
+        "initial_accuracy": series[0][1],
+        "accuracy_gain": series[-1][1] - series[0][1],
         "peak_to_final_drop": max(evals) - evals[-1],
         "final_train_reward": _mean_of(last, "reward/mean"),
         "dropped_frac": _mean_of(train_rows, "mask/dropped_frac"),
@@ -66,6 +77,11 @@ def run_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
         "grad_norm": _mean_of(train_rows, "grad/norm"),
         "step_time_s": _mean_of(train_rows, "time/step"),
     }
+    other_series = _series(rows, other)
+    if other_series:
+        out["other_final_accuracy"] = other_series[-1][1]
+        out["other_accuracy_gain"] = other_series[-1][1] - other_series[0][1]
+    return out
 
 
 def _curve(runs: list[list[dict[str, Any]]], key: str) -> dict[str, list[float]]:
@@ -90,12 +106,13 @@ def analyse(sweep: Sweep, out: Path) -> dict[str, dict[str, Any]]:
     for name, setting in settings.items():
         for entry in setting["methods"].values():
             runs = entry.pop("runs")
-            summaries = {seed: run_summary(rows) for seed, rows in runs.items()}
+            summaries = {seed: run_summary(rows, sweep.accuracy) for seed, rows in runs.items()}
             keys = next(iter(summaries.values())).keys()
             entry["per_seed"] = {k: {seed: s[k] for seed, s in summaries.items()} for k in keys}
             for k in keys:
                 entry[k] = mean_ci(list(entry["per_seed"][k].values())).as_dict()
             entry["curves"] = {k: _curve(list(runs.values()), k) for k in CURVES}
+        setting["accuracy"] = sweep.accuracy
         setting["comparison"], setting["verdict"], setting["questions"] = verdict(name, setting["methods"])
         setting["replication"] = replication(setting["methods"], setting["questions"])
     return settings
@@ -159,6 +176,9 @@ def learning_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | No
     )
     if "pg_is" in methods:
         words += f"; pg_is (no trust region) changes by {mean_ci(list(methods['pg_is']['per_seed']['accuracy_gain'].values())).fmt(signed=True)}"
+    other = methods[best]["per_seed"].get("other_accuracy_gain")
+    if other:
+        words += f". By the other held-out accuracy, {best} changes by {mean_ci(list(other.values())).fmt(signed=True)}"
     return {"best_masked": best, "gain": gain.as_dict(), "answer": answer, "words": words + "."}
 
 

@@ -32,7 +32,7 @@ from pdmask.lab.config import Config, ConfigError
 from pdmask.lab.engine import Rollout, RolloutEngine, sample
 from pdmask.lab.files import save_atomic, write_text_atomic
 from pdmask.lab.models import build_policy, is_pretrained
-from pdmask.lab.sft import warm_start
+from pdmask.lab.sft import sft_path, warm_start
 from pdmask.lab.tasks import Task, build_task
 
 FULL_LOGP_BUDGET = 2**25  # floats: above this the engine returns top-K only and mismatch is a top-K estimate
@@ -342,6 +342,19 @@ class Run:
             return _recomputed_mu(logp, ro.tokens, self.cfg.top_k), metrics
         return ro.rollout_logprobs(with_full=self.method.needs == "full"), metrics
 
+    def _initial_evaluation(self) -> dict[str, float]:
+        """Step 0's held-out metrics. From an SFT start every method of a seed starts from the same weights
+        and draws the same evaluation stream, so they are computed once and cached beside the SFT weights."""
+        cfg = self.cfg
+        if is_pretrained(cfg.model) or cfg.sft_steps == 0:
+            return self._evaluate()
+        path = sft_path(cfg).with_suffix(f".eval-{cfg.reward}-{cfg.eval_samples}x-t{cfg.temperature:g}.json")
+        if path.exists():
+            return json.loads(path.read_text())
+        metrics = self._evaluate()
+        write_text_atomic(path, jsonio.dumps(metrics))
+        return metrics
+
     def _evaluate(self) -> dict[str, float]:
         """Held-out metrics now; the sampled ones draw from their own stream, keyed by (seed, step)."""
         cfg = self.cfg
@@ -352,7 +365,7 @@ class Run:
         """Train until cfg.steps; returns all metrics rows of the run (including earlier sessions)."""
         cfg = self.cfg
         if self.step == 0:
-            self._log({"step": 0} | self._evaluate())
+            self._log({"step": 0} | self._initial_evaluation())
         while self.step < cfg.steps:
             metrics = self.train_step()
             self.step += 1
