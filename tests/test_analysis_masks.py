@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_case
 
 from pdmask import RolloutLogprobs, policy_stats, predicted_change, reference
-from pdmask.analysis.intervals import clustered_rate, effective_size, wilson
 from pdmask.analysis.maskview import direction_methods, mask_decisions, mask_view
+from pdmask.analysis.rates import clustered_rate, effective_size, wilson
+
+from conftest import make_case
 
 NAN = float("nan")
 

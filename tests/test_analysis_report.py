@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from pdmask.analysis.experiment import TokenResults
-from pdmask.analysis.intervals import wilson
-from pdmask.analysis.report import TRUTHS, agreement, summarize, verdict
+from pdmask.analysis.rates import wilson
+from pdmask.analysis.render import verdict
+from pdmask.analysis.tables import TRUTHS, agreement, summarize
 
 
 def test_wilson_known_values() -> None:
@@ -53,6 +54,7 @@ def _results(m: int = 40) -> TokenResults:
         pi_a=torch.linspace(0.01, 0.99, m, dtype=torch.float64),
         mu_a=torch.full((m,), 0.5, dtype=torch.float64),
         div={k: torch.linspace(0, 0.3, m, dtype=torch.float64) for k in ("tv", "kl")},
+        beyond={k: torch.linspace(0, 0.3, m, dtype=torch.float64) > d for k, d in (("tv", 0.15), ("kl", 0.05))},
         raw_g={k: {"full": pdm / adv, "aggregated@1": -pdm / adv, "gw_full": ratio, "gw_proportional@1": ratio} for k in ("tv", "kl")},
         signals={k: dict(signals) for k in ("tv", "kl")},
         truth={k: {n: t.clone() for n, t in truths.items()} for k in ("tv", "kl")},
@@ -86,7 +88,7 @@ def test_summarize_uses_uniform_sample_for_all_and_every_measured_disagreement()
 
 
 def test_grpo_advantages_normalise_within_groups() -> None:
-    from pdmask.analysis.experiment import grpo_advantages
+    from pdmask.lab.train import grpo_advantages
 
     adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), group_size=2)
     assert adv[0] > 0 > adv[1] and adv[0] == pytest.approx(-adv[1])

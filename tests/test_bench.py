@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmask.bench import Row, make_inputs, measure, paths, peak_bytes, render
-from pdmask.bench_hidden import HIDDEN_PATHS, HiddenConfig, measure_hidden, render_hidden
 from pdmask.cli import main
+from pdmask.tools.bench import Row, make_inputs, measure, paths, peak_bytes, render
+from pdmask.tools.bench_hidden import HIDDEN_PATHS, HiddenConfig, measure_hidden, render_hidden
 
 
 @pytest.fixture(scope="module")

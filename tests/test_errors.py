@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_case, rollout_of
 
 from pdmask import RolloutLogprobs, policy_loss, policy_stats, predicted_change, stats_from_set, trust_region_mask
+
+from conftest import make_case, rollout_of
 
 N, V, K = 6, 20, 4
 

@@ -4,13 +4,14 @@ import json
 import math
 
 import pytest
-from conftest import TINY
 
 from pdmask.cli import main
 from pdmask.lab.intervals import compare_methods, mean_ci
 from pdmask.lab.presets import Sweep
 from pdmask.lab.report import write_report
 from pdmask.lab.sweep import estimate_seconds, run_sweep
+
+from conftest import TINY
 
 
 @pytest.fixture(autouse=True)

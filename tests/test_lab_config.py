@@ -72,7 +72,8 @@ def test_presets_are_valid_and_fair():
     assert {"dppo_topk_tv", "pdm_aggregated_tv", "pdm_uniform_tv"} <= set(PRESETS["tv"].methods)
     long = PRESETS["long"]
     assert len(long.seeds) >= 32 and not set(long.seeds) & set(default.seeds) and set(long.rollout_dtypes) == {"fp8", "bf16"}
-    assert {"pg_is", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl"} <= {c.method for c in long.configs() if c.rollout_dtype == "fp8"}
+    long_fp8 = {c.method for c in long.configs() if c.rollout_dtype == "fp8"}
+    assert {"pg_is", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl"} <= long_fp8
     sizes = PRESETS["sizes"]
     assert set(sizes.models) == {"tiny", "small", "medium"} and len(sizes.rollout_dtypes) >= 2
     assert {"pg_is", "ppo_clip", "dppo_topk_tv", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_proportional_tv"} <= set(sizes.methods)

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from tiny_llama import tiny_llama_config
 
 from pdmask import RolloutLogprobs
 from pdmask.lab.engine import DTYPES, E4M3_MAX, FP8Linear, RolloutEngine, fake_quant_e4m3, left_pad, sample
 from pdmask.lab.models import SIZES, build_policy, num_parameters
 from pdmask.lab.tasks import EOS, PAD, build_task
+
+from tiny_llama import tiny_llama_config
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, make_case, rollout_of
 
 import pdmask
 from pdmask import METHODS
 from pdmask.lab.engine import RolloutEngine
 from pdmask.lab.train import Run, grpo_advantages, read_metrics, tail_metrics, train
+
+from conftest import TINY, make_case, rollout_of
 
 
 @pytest.fixture(autouse=True)
@@ -194,8 +195,8 @@ def test_tail_metrics_count_where_the_estimators_masks_differ():
     adv = torch.randn(400, generator=torch.Generator().manual_seed(1))
     valid = torch.ones(400, dtype=torch.bool)
     cfg = TINY.replace(method="pdm_proportional_tv", delta_tv=1e-3)
-    out = tail_metrics(cfg, z, a, mu, adv, valid)
     stats = pdmask.policy_stats(z, a, mu, need_sq_norm=True)
+    out = tail_metrics(cfg, stats, adv, valid)
     keep = {
         e: pdmask.trust_region_mask(f"pdm_{e}_tv", stats, adv, valid, delta_low=1e-3, delta_high=1e-3)
         for e in ("aggregated", "uniform")
@@ -207,6 +208,6 @@ def test_tail_metrics_count_where_the_estimators_masks_differ():
     # Padding does not count, and a method without a divergence (pg_is) is measured with TV.
     half = valid.clone()
     half[200:] = False
-    assert tail_metrics(cfg.replace(method="pg_is"), z, a, mu, adv, half)["tail/paper_tails_differ_frac"] == pytest.approx(
+    assert tail_metrics(cfg.replace(method="pg_is"), stats, adv, half)["tail/paper_tails_differ_frac"] == pytest.approx(
         (keep["aggregated"] != keep["uniform"])[:200].double().mean().item()
     )

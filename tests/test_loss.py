@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
-from conftest import make_case, rollout_of
 
 from pdmask import AGG_MODES, METHODS, aggregate_loss, per_token_loss, policy_loss, policy_stats
+
+from conftest import make_case, rollout_of
 
 B, T, V, K = 3, 7, 90, 5
 

@@ -6,13 +6,14 @@ import math
 
 import pytest
 import torch
-from conftest import make_case, rollout_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdmask import RolloutLogprobs, divergence, policy_stats, predicted_change
-from pdmask.stats import stats_from_set
 from pdmask import reference as ref
+from pdmask.stats import stats_from_set
+
+from conftest import make_case, rollout_of
 
 SETTINGS = settings(max_examples=40, deadline=None)
 DTYPES = st.sampled_from([torch.float64, torch.float32, torch.bfloat16])
@@ -147,7 +148,11 @@ def test_uniform_sums_in_the_pass_or_a_second_pass_agree(vocab, seed, dtype):
 
 
 @SETTINGS
-@given(st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]), st.sampled_from(["full", "aggregated", "uniform", "proportional", "exactpi"]))
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["tv", "kl"]),
+    st.sampled_from(["full", "aggregated", "uniform", "proportional", "exactpi"]),
+)
 def test_check3_two_categories_sign_is_the_ratio_sign(seed, kind, est):
     z, logmu, a, ids, vals = make_case(8, 2, 1, seed=seed)
     stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True))

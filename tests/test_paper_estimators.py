@@ -10,9 +10,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_case, rollout_of
 
 from pdmask import METHODS, divergence, get_method, policy_stats, predicted_change, trust_region_mask
+
+from conftest import make_case, rollout_of
 
 PI = torch.tensor([[0.40, 0.20, 0.15, 0.10, 0.10, 0.05]], dtype=torch.float64)
 MU = torch.tensor([[0.35, 0.30, 0.15, 0.10, 0.05, 0.05]], dtype=torch.float64)

@@ -17,8 +17,10 @@ datasets = pytest.importorskip("datasets")
 
 # Not importorskip: with TRL installed, an unsupported version must fail here, not skip.
 import pdmask
-import pdmask.integrations.trl as pdm_trl
 from pdmask.integrations.trl import PDMConfig, PDMTrainer, check_trl_version
+from pdmask.integrations.trl.recorders import RolloutRecorder
+from pdmask.integrations.trl.trainer import LateInputs
+
 from tiny_llama import tiny_llama_config
 
 CHARS = list("0123456789+=? abcdefghij")
@@ -266,7 +268,10 @@ def test_ppo_clip_is_grpos_loss(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "mask_method",
-    ["pdm_proportional_tv", "pdm_aggregated_kl", "pdm_exactpi_tv", "pdm_exactpi_kl", "dppo_topk_kl", "pdm_full_kl", "dppo_binary_tv", "pg_is"],
+    [
+        "pdm_proportional_tv", "pdm_aggregated_kl", "pdm_uniform_kl", "pdm_exactpi_tv", "pdm_exactpi_kl",
+        "dppo_topk_kl", "pdm_full_kl", "dppo_binary_tv", "pg_is",
+    ],  # fmt: skip
 )
 def test_gradient_is_pdmask_surrogate(tmp_path, mask_method: str) -> None:
     """TRL's loss, given PDMTrainer's per-token advantages, has the gradient of pdmask's DPPO-form surrogate.
@@ -305,7 +310,7 @@ def test_gradient_is_pdmask_surrogate(tmp_path, mask_method: str) -> None:
 
 def test_late_batch_fails_loudly(tmp_path) -> None:
     """If a TRL release read the advantages before scoring, PDMTrainer must raise, not train unmasked."""
-    batch = pdm_trl._LateInputs({"advantages": torch.ones(2), "completion_ids": torch.ones(2, 3)}, late=True)
+    batch = LateInputs({"advantages": torch.ones(2), "completion_ids": torch.ones(2, 3)}, late=True)
     assert batch["completion_ids"].shape == (2, 3)
     with pytest.raises(RuntimeError, match="before scoring"):
         batch["advantages"]
@@ -319,7 +324,7 @@ def test_recorder_checks_alignment() -> None:
     """The generation hook refuses completions that are not the tokens generate fed back."""
     from types import SimpleNamespace
 
-    recorder = pdm_trl._RolloutRecorder(1.0, 2, full=False)
+    recorder = RolloutRecorder(1.0, 2, full=False)
     logits = torch.randn(3, 1, 6)
     fed = torch.tensor([[4], [5], [1]])
     recorder(None, (), {"input_ids": torch.zeros(3, 2, dtype=torch.long)}, SimpleNamespace(logits=logits))

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DELTA, K, actor_config, engine_data
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import PolicyLossConfig
@@ -17,6 +16,8 @@ import pdmask
 from pdmask.integrations.verl import PDMLoss, losses, topk
 from pdmask.integrations.verl.cpu import build_actor_engine
 from pdmask.integrations.verl.rollout import topk_batch_fields
+
+from conftest import DELTA, K, actor_config, engine_data
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def _config(method, agg="token-mean"):
 
 
 @pytest.mark.parametrize("rmpad", [True, False], ids=["remove_padding", "padded"])
-@pytest.mark.parametrize("method", ["pdm_tail_tv", "pdm_bucket_kl", "pdm_uniform_tv", "dppo_topk_kl"])
+@pytest.mark.parametrize("method", ["pdm_proportional_tv", "pdm_aggregated_kl", "pdm_uniform_tv", "dppo_topk_kl"])
 def test_engine_loss_and_mask_equal_pdmask(engines, rollout_batch, monkeypatch, rmpad, method):
     batch, logits = rollout_batch
     seen = []
@@ -68,7 +69,7 @@ def test_engine_train_batch_steps(engines, rollout_batch):
     batch, _ = rollout_batch
     engine = engines[True]
     before = [p.detach().full_tensor().clone() for p in engine.module.parameters()]
-    out = engine.train_batch(engine_data(batch, rmpad=True), loss_function=PDMLoss(_config("pdm_tail_tv"), top_k=K))
+    out = engine.train_batch(engine_data(batch, rmpad=True), loss_function=PDMLoss(_config("pdm_proportional_tv"), top_k=K))
     after = [p.detach().full_tensor() for p in engine.module.parameters()]
     assert torch.isfinite(torch.tensor(out["metrics"]["grad_norm"]))
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
@@ -78,7 +79,7 @@ def test_engine_without_the_flag_names_the_fix(engines, rollout_batch):
     batch, _ = rollout_batch
     with pytest.raises(RuntimeError, match="enable_topk_forward"):
         engines[True].infer_batch(
-            engine_data(batch, rmpad=True, flag=False), loss_function=PDMLoss(_config("pdm_tail_tv"))
+            engine_data(batch, rmpad=True, flag=False), loss_function=PDMLoss(_config("pdm_proportional_tv"))
         )
 
 
@@ -88,20 +89,20 @@ def test_bad_input_gives_one_line_errors(rollout_batch):
         PDMLoss(_config("dppo_binary_tv"))
     td = TensorDict({k: v for k, v in batch.items() if k != topk.TOPK_IDS}, batch_size=[4])
     with pytest.raises(ValueError, match=r"lacks rollout_topk_ids \[batch, response_len, K\]"):
-        topk.rollout_from_batch(td, pdmask.get_method("pdm_tail_tv"))
+        topk.rollout_from_batch(td, pdmask.get_method("pdm_proportional_tv"))
     with pytest.raises(ValueError, match=r"K = 4 columns but PDMLoss was built with top_k=8"):
-        topk.rollout_from_batch(TensorDict(dict(batch), batch_size=[4]), pdmask.get_method("pdm_tail_tv"), 8)
+        topk.rollout_from_batch(TensorDict(dict(batch), batch_size=[4]), pdmask.get_method("pdm_proportional_tv"), 8)
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     x = batch["rollout_log_probs"]
     with pytest.raises(RuntimeError, match=r"PDMLoss\(config\)"):
-        get_policy_loss_fn("pdmask_pdm_tail_tv")(
-            x, x, batch["advantages"], batch["response_mask"], "token-mean", _config("pdm_tail_tv"), None
+        get_policy_loss_fn("pdmask_pdm_proportional_tv")(
+            x, x, batch["advantages"], batch["response_mask"], "token-mean", _config("pdm_proportional_tv"), None
         )
     fused = TensorDict({}, batch_size=[])
     tu.assign_non_tensor(fused, use_fused_kernels=True)
     with pytest.raises(RuntimeError, match="use_fused_kernels=False"):
-        PDMLoss(_config("pdm_tail_tv"))(model_output={"log_probs": x}, data=fused)
+        PDMLoss(_config("pdm_proportional_tv"))(model_output={"log_probs": x}, data=fused)
 
 
 def test_topk_batch_fields_pads_to_the_response_length(rollout_batch):

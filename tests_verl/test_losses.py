@@ -7,12 +7,14 @@ import sys
 
 import pytest
 import torch
-from conftest import actor_config
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
 
 import pdmask
 from pdmask.integrations.verl import BINARY_METHODS, TOPK_METHODS, check_verl_version
 from pdmask.integrations.verl.losses import binary_stats
+from pdmask.methods import RENAMED_METHODS
+
+from conftest import actor_config
 
 AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -30,9 +32,21 @@ def test_import_verl_registers_the_losses():
         "print(sorted(k for k in R if k.startswith('pdmask_')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(sorted(f"pdmask_{m}" for m in BINARY_METHODS + TOPK_METHODS))
+    names = (*BINARY_METHODS, *TOPK_METHODS, *RENAMED_METHODS)  # earlier names stay registered, deprecated
+    assert out.strip() == str(sorted(f"pdmask_{m}" for m in names))
     assert set(BINARY_METHODS) == {"ppo_clip", "pg_is", "dppo_binary_tv", "dppo_binary_kl"}
-    assert {"pdm_tail_tv", "pdm_bucket_kl", "pdm_uniform_tv", "dppo_topk_kl"} <= set(TOPK_METHODS)
+    assert {"pdm_proportional_tv", "pdm_aggregated_kl", "pdm_uniform_tv", "dppo_topk_kl"} <= set(TOPK_METHODS)
+
+
+def test_an_earlier_loss_mode_name_warns_and_maps():
+    from verl.workers.config import PolicyLossConfig
+
+    from pdmask.integrations.verl import PDMLoss
+
+    assert get_policy_loss_fn("pdmask_pdm_bucket_kl") is get_policy_loss_fn("pdmask_pdm_aggregated_kl")
+    with pytest.warns(DeprecationWarning, match="now called 'pdm_aggregated_kl'"):
+        loss = PDMLoss(actor_config(policy_loss=PolicyLossConfig(loss_mode="pdmask_pdm_bucket_kl")))
+    assert loss.method.name == "pdm_aggregated_kl"
 
 
 @pytest.mark.parametrize("kind", ["tv", "kl"])

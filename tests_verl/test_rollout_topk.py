@@ -17,7 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pdmask.integrations.verl.rollout import ENTRIES, TOP_K_KEY, entries_field, rollout_top_k, topk_tensors
+from pdmask.integrations.verl.rollout import ENTRIES, TOP_K_KEY, entries_field, topk_tensors
 from pdmask.integrations.verl.topk import TOPK_IDS, TOPK_LOGP, rollout_from_batch
 from pdmask.methods import get_method
 
@@ -93,7 +93,7 @@ def test_agent_loop_outputs_stack_into_the_batch_pdm_loss_reads(cut) -> None:
     rows = [agent_loop.TopKAgentLoopOutput.from_output(agent_loop_output(r, cut), K).as_dict() for r in REQUESTS]
     data = list_of_dict_to_tensordict(rows)
     assert data[TOPK_IDS].is_nested == (cut is None)
-    mu = rollout_from_batch(data, get_method("pdm_tail_tv"), top_k=K)
+    mu = rollout_from_batch(data, get_method("pdm_proportional_tv"), top_k=K)
     for row, request in enumerate(REQUESTS):
         n = len(request["token_ids"]) if cut is None else cut
         assert mu.topk_ids[row, :n].tolist() == request["reference_topk_ids"][:n]
@@ -102,7 +102,26 @@ def test_agent_loop_outputs_stack_into_the_batch_pdm_loss_reads(cut) -> None:
         )
         torch.testing.assert_close(mu.logp[row, :n], torch.tensor(request["reference_logp"][:n]), atol=1e-3, rtol=0)
     with pytest.raises(ValueError, match="K = 5 columns but PDMLoss was built with top_k=8"):
-        rollout_from_batch(data, get_method("pdm_tail_tv"), top_k=8)
+        rollout_from_batch(data, get_method("pdm_proportional_tv"), top_k=8)
+
+
+def test_jagged_fields_are_padded_to_their_longest_row() -> None:
+    """Jagged fields can reach the actor with a cached max length larger than their longest row (seen in verl's
+    trainer, where TransferQueue's fields came with max length = all rows' tokens); to_padded_tensor pads to that
+    cache, PDMLoss pads to the rows, as wide as the response mask."""
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    rows = [agent_loop.TopKAgentLoopOutput.from_output(agent_loop_output(r), K).as_dict() for r in REQUESTS]
+    data = list_of_dict_to_tensordict(rows)
+    for key in (TOPK_IDS, TOPK_LOGP, "rollout_log_probs"):
+        field = data[key]
+        data[key] = torch.nested.nested_tensor_from_jagged(
+            field.values(), field.offsets(), max_seqlen=field.values().shape[0]
+        )
+        assert field.to_padded_tensor(0).shape[1] < data[key].to_padded_tensor(0).shape[1]
+    mu = rollout_from_batch(data, get_method("pdm_proportional_tv"), top_k=K)
+    longest = max(len(r["token_ids"]) for r in REQUESTS)
+    assert mu.topk_ids.shape == (len(REQUESTS), longest, K) and mu.logp.shape == (len(REQUESTS), longest)
 
 
 def test_an_empty_response_has_an_empty_top_k() -> None:
@@ -120,41 +139,6 @@ def test_a_server_without_topk_is_refused() -> None:
     plain = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], metrics=AgentLoopMetrics())
     with pytest.raises(ValueError, match="trainer.v1.trainer_mode=pdmask_sync"):
         agent_loop.TopKAgentLoopOutput.from_output(plain, K)
-
-
-def rollout_config(**overrides):
-    fields = {
-        "name": "vllm",
-        "temperature": 0.8,
-        "calculate_log_probs": True,
-        "logprobs_mode": "processed_logprobs",
-        "agent": {"default_agent_loop": agent_loop.TOPK_AGENT_LOOP},
-        "disaggregation": {"enabled": False},
-        "custom": {TOP_K_KEY: K},
-    }
-    return OmegaConf.create(fields | overrides)
-
-
-def test_rollout_config_checks_name_each_fix() -> None:
-    from pdmask.integrations.verl.trainer import check_topk_rollout
-
-    check_topk_rollout(rollout_config())
-    assert rollout_top_k(rollout_config()) == K
-    with pytest.raises(ValueError, match=r"\+actor_rollout_ref.rollout.custom.pdmask_top_k=K"):
-        rollout_top_k(rollout_config(custom=None))
-    with pytest.raises(ValueError, match="top_k must be an int >= 1"):
-        rollout_top_k(rollout_config(custom={TOP_K_KEY: 0}))
-    cases = {
-        "rollout.name=vllm": {"name": "sglang"},
-        "calculate_log_probs=True": {"calculate_log_probs": False},
-        "default_agent_loop=pdmask_topk_single_turn": {"agent": {"default_agent_loop": "single_turn_agent"}},
-        "disaggregation.enabled=False": {"disaggregation": {"enabled": True}},
-        "logprobs_mode=processed_logprobs": {"logprobs_mode": "processed_logits"},
-        "unset, so vLLM returns its default raw_logprobs": {"logprobs_mode": None},
-    }
-    for fix, override in cases.items():
-        with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(".", r"\.")):
-            check_topk_rollout(rollout_config(**override))
 
 
 def test_the_single_turn_agent_loop_carries_the_servers_topk(tiny_tokenizer) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from conftest import DELTA, TAU, K, engine_data
 from omegaconf import OmegaConf
 
 from pdmask.integrations.verl import PDMLoss
+
+from conftest import DELTA, TAU, K, engine_data
 
 v1 = pytest.importorskip(
     "verl.trainer.ppo.v1", reason="verl's v1 trainer needs TransferQueue, FastAPI, ... (.ci/verl.sh)"
@@ -93,7 +94,7 @@ def test_trainer_mode_trains_through_verls_training_worker(model_dir, rollout_ba
                     "clip_ratio_high": DELTA,
                     "policy_loss": {
                         "_target_": "verl.workers.config.PolicyLossConfig",
-                        "loss_mode": "pdmask_pdm_tail_tv",
+                        "loss_mode": "pdmask_pdm_proportional_tv",
                     },
                     "calculate_entropy": False,
                     "entropy_coeff": 0.0,
@@ -109,7 +110,7 @@ def test_trainer_mode_trains_through_verls_training_worker(model_dir, rollout_ba
     trainer.global_steps = 0
     trainer.actor_rollout_wg = Workers()
     trainer.on_init_end()
-    assert isinstance(worker.loss_fn, PDMLoss) and worker.loss_fn.method.name == "pdm_tail_tv" and worker.loss_fn.top_k == K
+    assert isinstance(worker.loss_fn, PDMLoss) and worker.loss_fn.method.name == "pdm_proportional_tv" and worker.loss_fn.top_k == K
     metrics: dict = {}
     trainer._update_actor(SimpleNamespace(extra_info={}), metrics)
     assert 0 < metrics["actor/pdmask/mask/dropped_frac"] < 1

@@ -1,4 +1,5 @@
-"""One in-process vLLM CPU engine per session, over a tiny random Llama saved to a temporary directory.
+"""The vLLM integration tests, for their own environment (.venv-vllm, built by .ci/vllm.sh; the main suite does not
+collect them). One in-process vLLM CPU engine per session, over a tiny random Llama saved to a temporary directory.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no spawned process has
 to re-import pytest's ``__main__``, and tests can reach the engine's model.

@@ -10,10 +10,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from conftest import K
 from vllm.logprobs import Logprob
 
 from pdmask.integrations.vllm import rollout_from_outputs
+
+from conftest import K
 
 SCRIPT = Path(__file__).parent / "capture_topk.py"
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, K, tiny_llama
 
 from pdmask.lab.models import HFPolicy
 from pdmask.lab.vllm_engine import VLLMEngine
+
+from conftest import VOCAB, K, tiny_llama
 
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 40, 41]]
 EOS, PAD, GROUP = 2, 0, 3

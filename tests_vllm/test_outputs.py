@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import K, VOCAB
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 import pdmask
 from pdmask.integrations.vllm import rollout_from_outputs, sampling_params
+
+from conftest import VOCAB, K
 
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 40, 41, 42, 43, 44]]
 LENGTHS = (7, 12, 4)  # max_tokens per request: ragged completions

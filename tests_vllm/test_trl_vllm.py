@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+
 from conftest import tiny_llama
 
 trl = pytest.importorskip("trl")

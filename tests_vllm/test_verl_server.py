@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import K
 
 pytest.importorskip("verl", reason="needs verl installed without its dependencies next to vLLM (.ci/vllm.sh)")

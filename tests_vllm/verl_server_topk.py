@@ -23,7 +23,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from capture_topk import TEMPERATURE, reference  # noqa: E402
-from conftest import K, VOCAB, tiny_llama  # noqa: E402
+
+from conftest import VOCAB, K, tiny_llama  # noqa: E402
 
 PROMPT = [3, 7, 8, 9]
 LENGTHS = (6, 11, 3)

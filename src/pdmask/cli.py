@@ -13,8 +13,8 @@ COMMANDS: dict[str, str] = {
     "compare": "pdmask.lab.compare_cli",
     "train": "pdmask.lab.train_cli",
     "analyze": "pdmask.analysis.cli",
-    "bench": "pdmask.bench",
-    "demo": "pdmask.demo",
+    "bench": "pdmask.tools.bench",
+    "demo": "pdmask.tools.demo",
 }
 
 

@@ -176,4 +176,13 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
 
 
-__all__ = ["ESTIMATORS", "INFOS", "KINDS", "RENAMED_ESTIMATORS", "SQ_NORM_ESTIMATORS", "canonical_estimator", "divergence", "predicted_change"]
+__all__ = [
+    "ESTIMATORS",
+    "INFOS",
+    "KINDS",
+    "RENAMED_ESTIMATORS",
+    "SQ_NORM_ESTIMATORS",
+    "canonical_estimator",
+    "divergence",
+    "predicted_change",
+]

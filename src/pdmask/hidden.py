@@ -1,20 +1,22 @@
 """log π(a) and the mask statistics straight from the hidden states and the LM head, never holding the logits.
 
 Logits are made block by block, [block_rows, block_vocab] at a time, and reduced with an online
-log-sum-exp by the same per-block reductions as ``policy_stats``; the backward of log π(a) makes the
-blocks again instead of keeping them.
+log-sum-exp by the same per-block reductions as ``policy_stats`` (``pdmask.vocab_pass``); the backward
+of log π(a) makes the blocks again instead of keeping them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from pdmask.rollout import RolloutLogprobs
-from pdmask.stats import Accumulators, Buffers, PolicyStats, Prepared, prepare, shifted_sums
+from pdmask.stats import PolicyStats, assemble
+from pdmask.vocab_pass import Accumulators, Block, Buffers, Prepared, prepare, shifted_sums, uniform_pass
 
 #: Default block of logits: rows × vocabulary ids (8 MiB of float32).
 BLOCK_ROWS = 1024
@@ -59,12 +61,18 @@ def policy_stats_from_hidden(
         for sl in head.row_blocks(prep.n):
             _first_sweep(head, flat[sl], sl, prep, acc, bufs)
             if acc.full is not None or acc.uniform is not None:
-                _second_sweep(head, flat[sl], sl, prep, acc, bufs)
+                # The sums that need the rows' final lse (full-μ reductions, uniform sums), block by block again.
+                acc.add_normalised_blocks(prep, head.blocks(flat, [sl], prep.set_ids, bufs), bufs, prep.full_logp)
     acc.check_finite("hidden @ weight.T logits")
     logp = _HiddenLogProb.apply(hidden, weight, bias, acc.set_logp[:, -1], prep.flat_tokens, acc.lse, head)
-    stats = acc.assemble(prep, logp)
+    stats = assemble(prep, acc, logp)
     if stats.uniform_sums is None and stats.has_topk:
-        stats.uniform_pass = lambda: _uniform_pass(head, flat, prep, acc)
+
+        def second_pass() -> Tensor:
+            second = head.buffers(min(head.rows, max(prep.n, 1)), True)
+            return uniform_pass(prep, acc, second, head.blocks(flat, head.row_blocks(prep.n), prep.set_ids, second))
+
+        stats.uniform_pass = second_pass
     return stats
 
 
@@ -138,6 +146,12 @@ class _Head:
             z = Buffers.block(bufs.upcast, *z.shape).copy_(z)
         return z if self.temperature == 1.0 else z.div_(self.temperature)
 
+    def blocks(self, flat: Tensor, rows: Iterable[slice], set_ids: Tensor, bufs: Buffers) -> Iterator[Block]:
+        """Every vocabulary block of the logits of each row block of flat [n, d]; set_ids [n, C] are S's ids."""
+        for sl in rows:
+            for v in self.vocab_blocks():
+                yield sl, self.logits(flat[sl], v, bufs), _block_cols(set_ids[sl], v), v
+
 
 def _block_cols(ids: Tensor, v: slice) -> Tensor:
     """Columns of ids [r, k] in the vocabulary block v; ids outside it get the spare column |v|."""
@@ -168,25 +182,6 @@ def _first_sweep(head: _Head, h: Tensor, sl: slice, prep: Prepared, acc: Accumul
             tail_sq = tail_sq * scale.square() + block_sq
         m = m_new
     acc.finish_rows(sl, m, total, rest, tail_sq, set_z)
-
-
-def _second_sweep(head: _Head, h: Tensor, sl: slice, prep: Prepared, acc: Accumulators, bufs: Buffers) -> None:
-    """The sums that need the final lse of rows sl (full-μ reductions, uniform sums), block by block."""
-    flat_u = prep.flat_even_mu
-    for v in head.vocab_blocks():
-        z = head.logits(h, v, bufs)
-        acc.add_normalised(sl, z, bufs, _block_cols(prep.set_ids[sl], v), flat_u, prep.full_logp, v)
-
-
-def _uniform_pass(head: _Head, flat: Tensor, prep: Prepared, acc: Accumulators) -> Tensor:
-    """[2, ...] the exactpi estimator's sums, by sweeping the blocks again."""
-    only = replace(acc, full=None, uniform=torch.zeros(2, prep.n, dtype=head.dtype, device=flat.device))
-    with torch.no_grad():
-        bufs = head.buffers(min(head.rows, max(prep.n, 1)), True)
-        for sl in head.row_blocks(prep.n):
-            _second_sweep(head, flat[sl], sl, prep, only, bufs)
-    assert only.uniform is not None
-    return only.uniform.reshape((2,) + prep.shape)
 
 
 class _HiddenLogProb(torch.autograd.Function):

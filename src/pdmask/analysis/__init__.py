@@ -2,7 +2,8 @@
 
 Ground truth by autograd (``truth``), the experimental kernel-aware signal G_W (``kernel``), one run
 of the experiment (``experiment``), each direction mask's unsafe keeps and wasted drops (``maskview``,
-with the intervals of ``intervals``) and the agreement tables, verdict and plots (``report``).
+with the intervals of ``rates``), the agreement tables' numbers (``tables``), their words: verdict,
+cells and report.md (``render``), and their plots (``figures``).
 """
 
 from pdmask.analysis.kernel import kernel_change

@@ -61,7 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, help="prompts in the rollout batch")
     p.add_argument("--group-size", type=int, help="responses per prompt")
     p.add_argument("--temperature", type=float, help="sampling temperature (default 1)")
-    p.add_argument("--advantages", choices=("grpo", "random"), help="GRPO from rewards (default for TinyGPT) or random ±1 per token (default for pretrained models)")
+    p.add_argument(
+        "--advantages",
+        choices=("grpo", "random"),
+        help="GRPO from rewards (default for TinyGPT) or random ±1 per token (default for pretrained models)",
+    )
     p.add_argument("--sample-tokens", type=int, help="tokens with autograd ground truth")
     p.add_argument("--ks", help="comma-separated K values for the top-K estimators (default 1,5,20)")
     p.add_argument("--sft-steps", type=int, help="SFT warm-start steps for TinyGPT (default: the lab's)")
@@ -103,8 +107,9 @@ def _lab_config(cfg: AnalysisConfig) -> Config:
     """The lab's Config for the same model, task and warm start (validated there)."""
     from pdmask.lab.config import config_from
 
-    fields: dict[str, Any] = {"model": cfg.model, "task": cfg.task, "reward": cfg.reward, "seed": cfg.seed, "rollout_dtype": cfg.engine_dtype(),
-              "top_k": max(cfg.ks), "temperature": cfg.temperature, "lr": cfg.lr, "group_size": cfg.group_size}
+    fields: dict[str, Any] = {"model": cfg.model, "task": cfg.task, "reward": cfg.reward, "seed": cfg.seed,
+                              "rollout_dtype": cfg.engine_dtype(), "top_k": max(cfg.ks), "temperature": cfg.temperature,
+                              "lr": cfg.lr, "group_size": cfg.group_size}
     if cfg.sft_steps is not None:
         fields["sft_steps"] = cfg.sft_steps
     return config_from(fields)
@@ -159,7 +164,8 @@ def mask_table(summary: dict, kind: str):
     """Unsafe keeps and wasted drops of every direction mask of one divergence (docs/analysis.md)."""
     from rich.table import Table
 
-    from pdmask.analysis.report import MASK_COLUMNS, mask_rows, share_cell
+    from pdmask.analysis.render import share_cell
+    from pdmask.analysis.tables import MASK_COLUMNS, mask_rows
 
     table = Table(
         title=f"{kind.upper()}: mask view beyond δ, % [95% CI, clustered by response] k/n", title_justify="left"
@@ -193,7 +199,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         TimeElapsedColumn,
     )
 
-    from pdmask.analysis.report import summarize, verdict, write_report
+    from pdmask.analysis.render import verdict, write_report
+    from pdmask.analysis.tables import summarize
     from pdmask.lab.config import ConfigError
     from pdmask.lab.engine import RolloutEngine
     from pdmask.lab.models import build_policy

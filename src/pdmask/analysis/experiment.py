@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from pdmask import (
     METHODS,
     RolloutLogprobs,
-    divergence,
+    decide,
     policy_loss,
     policy_stats,
     predicted_change,
@@ -44,9 +44,10 @@ from pdmask.analysis.truth import (
     head_change,
     own_change,
 )
+from pdmask.lab.train import grpo_advantages
 
 if TYPE_CHECKING:
-    from pdmask.lab.engine import Rollout, RolloutEngine
+    from pdmask.lab.engine import RolloutBatch, RolloutEngine
     from pdmask.lab.tasks import Task
 
 SOURCES = ("mismatch", "stale", "both")
@@ -118,6 +119,7 @@ class TokenResults:
     pi_a: Tensor
     mu_a: Tensor
     div: dict[str, Tensor]
+    beyond: dict[str, Tensor]  # bool [M]: the exact D beyond δ for the token's advantage (where a mask acts)
     raw_g: dict[str, dict[str, Tensor]]  # G of each estimator, unsigned (for the top-K tracking)
     signals: dict[str, dict[str, Tensor]]
     truth: dict[str, dict[str, Tensor]]
@@ -138,13 +140,7 @@ def _captured_hidden(head: nn.Module) -> Iterator[list[Tensor]]:
         handle.remove()
 
 
-def grpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
-    """GRPO: (r − mean) / (std + 1e-6) within each group of ``group_size`` consecutive rows; rewards [N] -> [N]."""
-    r = rewards.view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
-
-
-def _step_loss(policy: nn.Module, batch: Rollout, adv: Tensor, temperature: float) -> Tensor:
+def _step_loss(policy: nn.Module, batch: RolloutBatch, adv: Tensor, temperature: float) -> Tensor:
     logits = batch.response_logits(policy(batch.input_ids, batch.attention_mask)) / temperature
     loss, _ = policy_loss(STEP_METHOD, logits, batch.tokens, batch.rollout_logprobs(), adv, batch.response_mask)
     return loss
@@ -159,7 +155,7 @@ def _unembedding(policy: nn.Module) -> tuple[nn.Module, Tensor, Tensor | None]:
     return head, weight, bias if isinstance(bias, Tensor) else None
 
 
-def _head_logits(policy: nn.Module, batch: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
+def _head_logits(policy: nn.Module, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
     """(z [N, R, V] float64 from the fp32 hidden states, h [N, R, d]) of the response positions."""
     head, weight, bias = _unembedding(policy)
     with torch.no_grad(), _captured_hidden(head) as seen:
@@ -241,8 +237,10 @@ def run_analysis(
     mu_logp_a = batch.logp[keep]
     full = policy_stats(zf, tokens, RolloutLogprobs(mu_logp_a, full_logp=full_logp))
     _, w, bias = _unembedding(policy)
-    div = {k: divergence(full, k, "full") for k in KINDS}
-    raw: dict[str, dict[str, Tensor]] = {k: {"full": predicted_change(full, k, "full")} for k in KINDS}
+    # The exact decision per kind (pdm_full): D, the tokens beyond δ and the exact G, from the core.
+    exact = {k: decide(f"pdm_full_{k}", full, a, delta_low=cfg.delta[k], delta_high=cfg.delta[k]) for k in KINDS}
+    div = {k: cast(Tensor, exact[k].divergence) for k in KINDS}
+    raw: dict[str, dict[str, Tensor]] = {k: {"full": cast(Tensor, exact[k].direction)} for k in KINDS}
     for k_top in cfg.ks:
         sub = RolloutLogprobs(mu_logp_a, batch.topk_ids[keep][:, :k_top], batch.topk_logp[keep][:, :k_top])
         st = policy_stats(zf, tokens, sub)
@@ -316,6 +314,7 @@ def run_analysis(
         pi_a=full.pi_a.double(),
         mu_a=full.mu_a.double(),
         div={k: v.double() for k, v in div.items()},
+        beyond={k: cast(Tensor, exact[k].beyond) for k in KINDS},
         raw_g={k: {n: g.double() for n, g in d.items()} for k, d in raw.items()},
         signals=signals,
         truth=truth,
@@ -331,7 +330,7 @@ def _after_one_step(
     policy: nn.Module,
     opt: torch.optim.Adam,
     params: list[Tensor],
-    batch: Rollout,
+    batch: RolloutBatch,
     adv: Tensor,
     temperature: float,
     keep: Tensor,

@@ -14,9 +14,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from pdmask import METHODS, MaskMethod, divergence, trust_region_mask
-from pdmask.analysis.intervals import clustered_rate
-from pdmask.methods import beyond_threshold
+from pdmask import METHODS, MaskMethod, decide
+from pdmask.analysis.rates import clustered_rate
 from pdmask.stats import PolicyStats
 
 #: The rules that drop tokens beyond δ by a direction test (method.md's mask rules).
@@ -37,9 +36,9 @@ def mask_decisions(stats: PolicyStats, advantages: Tensor, delta: Mapping[str, f
     for m in direction_methods():
         assert m.kind is not None and m.info is not None
         d = delta[m.kind]
-        beyond = beyond_threshold(divergence(stats, m.kind, m.info), advantages, d, d)
-        keep = trust_region_mask(m, stats, advantages, delta_low=d, delta_high=d)
-        out[m.name] = {"beyond": beyond, "keep": keep}
+        decision = decide(m, stats, advantages, delta_low=d, delta_high=d)
+        assert decision.beyond is not None  # a direction rule always has a beyond-δ set
+        out[m.name] = {"beyond": decision.beyond, "keep": decision.keep}
     return out
 
 

@@ -21,6 +21,9 @@ from pdmask.rollout import MASS_TOL, RolloutLogprobs
 
 #: The only vLLM ``logprobs_mode`` whose log-probs are those of the distribution the engine samples from.
 PROCESSED = "processed_logprobs"
+#: vLLM's default cap on log-probs per position (``ModelConfig.max_logprobs``), which an engine started
+#: without ``max_logprobs`` keeps (TRL's colocated one does).
+VLLM_MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ def check_k(top_k: int) -> None:
 __all__ = [
     "ENGINE_FIX",
     "PROCESSED",
+    "VLLM_MAX_LOGPROBS",
     "Completions",
     "check_k",
     "check_logprobs_mode",

@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.preset == "paper" or args.estimate:
         est = estimate_seconds(sweep, args.workers)
         print(
-            f"estimated run time: {est / 60:.1f} min ({est / 3600:.2f} h) with {args.workers} worker(s); resumable: rerun the same command to continue"
+            f"estimated run time: {est / 60:.1f} min ({est / 3600:.2f} h) with {args.workers} worker(s); "
+            "resumable: rerun the same command to continue"
         )
         if args.estimate:
             return 0

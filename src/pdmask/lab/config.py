@@ -144,7 +144,8 @@ class Config:
             bad(f"task: unknown task {self.task!r}; choose one of {', '.join(TASK_NAMES)}")
         if is_pretrained(self.model) != (self.task == "arithmetic"):
             bad(
-                f"task: {self.task!r} does not fit model {self.model!r} (token tasks need tiny/small/medium; 'arithmetic' needs a pretrained model)"
+                f"task: {self.task!r} does not fit model {self.model!r} "
+                "(token tasks need tiny/small/medium; 'arithmetic' needs a pretrained model)"
             )
         if self.task in SequenceTask.KINDS:
             if self.vocab_size < 4 + self.num_symbols:
@@ -155,7 +156,8 @@ class Config:
                 bad("task_length must be >= 1 and num_symbols >= 2")
             if self.num_symbols**self.task_length < 4 * self.heldout_size:
                 bad(
-                    f"heldout_size: {self.heldout_size} held-out prompts need a task space of at least 4x that ({self.num_symbols}^{self.task_length})"
+                    f"heldout_size: {self.heldout_size} held-out prompts need a task space of at least 4x that "
+                    f"({self.num_symbols}^{self.task_length})"
                 )
         elif (self.max_operand + 1) ** 2 < 4 * self.heldout_size:
             bad(
@@ -201,7 +203,8 @@ class Config:
             bad(f"rollout_lag: must be >= 0 (rollout batches the engine's weights trail the trainer), got {self.rollout_lag}")
         if self.batch_size % self.minibatches:
             bad(
-                f"minibatches: {self.minibatches} does not divide the batch of {self.prompts_per_step} x {self.group_size} = {self.batch_size} sequences"
+                f"minibatches: {self.minibatches} does not divide the batch of "
+                f"{self.prompts_per_step} x {self.group_size} = {self.batch_size} sequences"
             )
         if not self.temperature > 0:
             bad(f"temperature: must be > 0, got {self.temperature}")

@@ -95,7 +95,7 @@ def _to_fp8(model: nn.Module) -> None:
 
 
 @dataclass
-class Rollout:
+class RolloutBatch:
     """A batch of N = prompts × group_size sampled sequences (prompt length P, response length R)."""
 
     input_ids: Tensor  # [N, P + R] int64: left-padded prompt, then response (pad after EOS)
@@ -121,9 +121,9 @@ class Rollout:
             self.logp, topk_ids=self.topk_ids, topk_logp=self.topk_logp, full_logp=self.full_logp if with_full else None
         )
 
-    def select(self, index: Tensor) -> Rollout:
+    def select(self, index: Tensor) -> RolloutBatch:
         """The sub-batch of rows ``index`` [n]."""
-        return Rollout(
+        return RolloutBatch(
             **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index] for f in fields(self)}
         )
 
@@ -151,7 +151,7 @@ def sample(
     top_k_logprobs: int = 20,
     generator: torch.Generator | None = None,
     return_full: bool = False,
-) -> Rollout:
+) -> RolloutBatch:
     """Sample one response per prompt (temperature 0 = greedy; log-probs are then at temperature 1).
 
     The log-probs are log_softmax(logits.float() / temperature), i.e. of the distribution sampled from.
@@ -184,7 +184,7 @@ def sample(
             break
         logits, cache = policy.extend(tok, attention_mask, cache)
     mask = torch.stack(out["mask"], 1)
-    return Rollout(
+    return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         tokens=torch.stack(out["tokens"], 1),
@@ -233,7 +233,7 @@ class RolloutEngine:
         eos_id: int,
         pad_id: int,
         generator: torch.Generator | None = None,
-    ) -> Rollout:
+    ) -> RolloutBatch:
         """group_size responses per prompt; rows are grouped: row i belongs to prompt i // group_size."""
         repeated = [p for p in prompts for _ in range(group_size)]
         return sample(

@@ -74,7 +74,7 @@ SIZES_METHODS = ("pg_is", "ppo_clip", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_
 #: Judged by the held-out accuracy sampled at the rollout temperature (4 responses per prompt), what RL optimises.
 LEARNS = Config(
     model="small", rollout_dtype="fp8", reward="partial", sft_steps=400, sft_lr=3e-4, prompts_per_step=16,
-    minibatches=4, lr=3e-5, steps=20, eval_every=10, eval_samples=4,
+    minibatches=4, lr=3e-5, steps=20, eval_every=20, eval_samples=4, checkpoint_every=5,
 )  # fmt: skip
 #: The first two rounds' setting (docs/lab.md): exact reward, 8 prompts x 8 samples, Adam lr 1e-4, 100 steps.
 COLLAPSE = Config(steps=100, prompts_per_step=8, minibatches=4, eval_every=10)

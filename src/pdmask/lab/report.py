@@ -146,10 +146,15 @@ def _markdown(report: dict[str, Any], settings: dict[str, Any], plots: dict[str,
         report["description"],
         "",
         f"- Judged by held-out accuracy: **{g['accuracy']}**"
-        + (f" ({cfg['eval_samples']} responses per prompt sampled at temperature {cfg['temperature']})." if g["accuracy"] == "sampled" else " (greedy decoding)."),
+        + (
+            f" ({cfg['eval_samples']} responses per prompt sampled at temperature {cfg['temperature']})."
+            if g["accuracy"] == "sampled"
+            else " (greedy decoding)."
+        ),
         (
             f"- Grid: {len(g['methods'])} methods × seeds {g['seeds']} × models {g['models']} × rollout precisions {g['rollout_dtypes']} "
-            f"({info['runs_expected']} runs; {info['runs_analysed']} finished and analysed; {info['reused']} reused from an earlier invocation)."
+            f"({info['runs_expected']} runs; {info['runs_analysed']} finished and analysed; "
+            f"{info['reused']} reused from an earlier invocation)."
         ),
         f"- Wall time of this invocation: {info['wall_time_s']:.0f} s with {info['workers']} worker process(es) on {info['cpu_count']} CPUs"
         + (
@@ -159,7 +164,8 @@ def _markdown(report: dict[str, Any], settings: dict[str, Any], plots: dict[str,
             else "."
         ),
         (
-            f"- Shared by every run: task `{cfg['task']}` (length {cfg['task_length']}, {cfg['num_symbols']} symbols, {cfg['reward']} reward), "
+            f"- Shared by every run: task `{cfg['task']}` (length {cfg['task_length']}, {cfg['num_symbols']} symbols, "
+            f"{cfg['reward']} reward), "
             f"vocabulary {cfg['vocab_size']}, {cfg['steps']} RL steps of {cfg['prompts_per_step']} prompts × {cfg['group_size']} samples, "
             f"{cfg['epochs']} epoch(s) × {cfg['minibatches']} minibatches per rollout batch, rollout lag {cfg['rollout_lag']} step(s), "
             f"Adam lr {cfg['lr']}, grad clip {cfg['grad_clip']}, temperature {cfg['temperature']}, "

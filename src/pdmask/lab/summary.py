@@ -175,7 +175,8 @@ def learning_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | No
         f"(paired 95% CI over {gain.n} seeds, {'excluding' if gain.excludes_zero else 'including'} 0)"
     )
     if "pg_is" in methods:
-        words += f"; pg_is (no trust region) changes by {mean_ci(list(methods['pg_is']['per_seed']['accuracy_gain'].values())).fmt(signed=True)}"
+        pg_gain = mean_ci(list(methods["pg_is"]["per_seed"]["accuracy_gain"].values()))
+        words += f"; pg_is (no trust region) changes by {pg_gain.fmt(signed=True)}"
     other = methods[best]["per_seed"].get("other_accuracy_gain")
     if other:
         words += f". By the other held-out accuracy, {best} changes by {mean_ci(list(other.values())).fmt(signed=True)}"
@@ -263,7 +264,8 @@ def tail_words(methods: dict[str, dict[str, Any]]) -> str:
     differ = sum(e["tail_masks_differ_frac"]["mean"] for e in methods.values()) / len(methods)
     rest = sum(e["pi_rest_mean"]["mean"] for e in methods.values()) / len(methods)
     return (
-        f"The top-K predictive estimators' masks (the paper's aggregated and uniform tails, pdmask's proportional and exactpi) differed on {differ:.3%} of "
+        "The top-K predictive estimators' masks (the paper's aggregated and uniform tails, pdmask's proportional "
+        f"and exactpi) differed on {differ:.3%} of "
         f"response tokens on average; π kept {rest:.2%} of its mass outside TopK(μ) ∪ {{a}}."
     )
 
@@ -282,9 +284,11 @@ def verdict(name: str, methods: dict[str, dict[str, Any]]) -> tuple[dict[str, An
     answers = " ".join(q["words"] for q in questions.values() if q is not None)
     facts = (
         f"Held-out accuracy at the start (after SFT): {start:.3f}. "
-        f"Tokens masked: from {mean(by_drop[0], 'dropped_frac'):.2%} ({by_drop[0]}) to {mean(by_drop[-1], 'dropped_frac'):.2%} ({by_drop[-1]}). "
+        f"Tokens masked: from {mean(by_drop[0], 'dropped_frac'):.2%} ({by_drop[0]}) "
+        f"to {mean(by_drop[-1], 'dropped_frac'):.2%} ({by_drop[-1]}). "
         + (
-            f"Largest fall from a run's best held-out accuracy to its final one: {unstable} ({mean(unstable, 'peak_to_final_drop'):.3f} on average). "
+            f"Largest fall from a run's best held-out accuracy to its final one: {unstable} "
+            f"({mean(unstable, 'peak_to_final_drop'):.3f} on average). "
             if mean(unstable, "peak_to_final_drop") > 0
             else "No run fell below its best held-out accuracy. "
         )

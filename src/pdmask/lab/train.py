@@ -29,7 +29,7 @@ from torch import Tensor, nn
 import pdmask
 from pdmask import METHODS, RolloutLogprobs, jsonio
 from pdmask.lab.config import Config, ConfigError
-from pdmask.lab.engine import Rollout, RolloutEngine, sample
+from pdmask.lab.engine import RolloutBatch, RolloutEngine, sample
 from pdmask.lab.files import save_atomic, write_text_atomic
 from pdmask.lab.models import build_policy, is_pretrained
 from pdmask.lab.sft import sft_path, warm_start
@@ -114,24 +114,23 @@ def _recomputed_mu(logp_old: Tensor, tokens: Tensor, k: int) -> RolloutLogprobs:
     return RolloutLogprobs(logp_old.gather(-1, tokens[..., None]).squeeze(-1), topk_ids, topk_logp, full_logp=logp_old)
 
 
+def tail_kind(cfg: Config) -> str:
+    """The divergence ``tail_metrics`` compares the estimators with: the method's, TV for ppo_clip and pg_is."""
+    return METHODS[cfg.method].kind or "tv"
+
+
 @torch.no_grad()
-def tail_metrics(
-    cfg: Config, logits: Tensor, tokens: Tensor, mu: RolloutLogprobs, advantages: Tensor, response_mask: Tensor
-) -> dict[str, float]:
+def tail_metrics(cfg: Config, stats: pdmask.PolicyStats, advantages: Tensor, response_mask: Tensor) -> dict[str, float]:
     """How much the top-K predictive estimators' masks differ on one update, and the mass off S = TopK(μ) ∪ {a}.
 
-    The masks are those of pdm_{aggregated,uniform,proportional,exactpi}_{kind} (kind: the method's,
-    TV for ppo_clip and pg_is) with the run's thresholds, on the same logits and μ; they can only
-    differ where π or μ keeps mass off S. ``tail/masks_differ_frac``: share of response tokens on
+    The masks are those of pdm_{aggregated,uniform,proportional,exactpi}_{kind} (``tail_kind``) with
+    the run's thresholds, on the update's own statistics (they must carry μ's top K and ‖π‖²); they can
+    only differ where π or μ keeps mass off S. ``tail/masks_differ_frac``: share of response tokens on
     which they do not all agree; ``tail/paper_tails_differ_frac``: on which the paper's aggregated-tail
     and uniform-tail masks differ; ``tail/pi_rest_mean`` / ``tail/mu_rest_mean``: mean π_R and μ_R.
     """
-    kind = METHODS[cfg.method].kind or "tv"
+    kind = tail_kind(cfg)
     names = {e: f"pdm_{e}_{kind}" for e in TAIL_ESTIMATORS}
-    topk = RolloutLogprobs(mu.logp, mu.topk_ids, mu.topk_logp)
-    stats = pdmask.policy_stats(
-        logits.detach(), tokens, topk, need_sq_norm=True, need_uniform=kind == "tv", response_mask=response_mask
-    )
     keep = {
         e: pdmask.trust_region_mask(n, stats, advantages, response_mask, **cfg.replace(method=n).thresholds())
         for e, n in names.items()
@@ -287,22 +286,19 @@ class Run:
             for idx in torch.randperm(cfg.batch_size, generator=g).chunk(cfg.minibatches):
                 mb = ro.select(idx)
                 logits = mb.response_logits(self.policy(mb.input_ids, mb.attention_mask)) / cfg.temperature
-                loss, m = pdmask.policy_loss(
-                    self.method,
-                    logits,
-                    mb.tokens,
-                    _select(mu, idx),
-                    advantages[idx],
-                    mb.response_mask,
-                    agg=cfg.agg,
-                    **cfg.thresholds(),
-                )
+                # One pass gives the loss, its metrics and the tail metrics (which compare the top-K estimators).
+                stats = pdmask.policy_stats(
+                    logits, mb.tokens, _select(mu, idx), need_sq_norm=True, need_uniform=tail_kind(cfg) == "tv",
+                    response_mask=mb.response_mask,
+                )  # fmt: skip
+                decision = pdmask.decide(self.method, stats, advantages[idx], mb.response_mask, **cfg.thresholds())
+                loss = pdmask.aggregate_loss(pdmask.decision_loss(decision), mb.response_mask, cfg.agg)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
                 self.optimizer.step()
-                tail = tail_metrics(cfg, logits, mb.tokens, _select(mu, idx), advantages[idx], mb.response_mask)
-                updates.append(m | tail | {"grad/norm": grad_norm.item()})
+                m = pdmask.mask_metrics(decision) | {"loss/policy": loss.item(), "grad/norm": grad_norm.item()}
+                updates.append(m | tail_metrics(cfg, stats, advantages[idx], mb.response_mask))
         metrics |= pdmask.pool_metrics(updates, pdmask.FRACTION_DENOMINATORS | TAIL_DENOMINATORS)
         metrics["grad/max"] = max(u["grad/norm"] for u in updates)
         metrics["time/rollout"] = t_rollout
@@ -321,7 +317,7 @@ class Run:
         return weights
 
     @torch.no_grad()
-    def _trainer_view(self, ro: Rollout) -> tuple[RolloutLogprobs, dict[str, float]]:
+    def _trainer_view(self, ro: RolloutBatch) -> tuple[RolloutLogprobs, dict[str, float]]:
         """The trainer's π now against the engine's μ (same weights unless rollout_lag > 0): TV, entropy, μ for the loss."""
         logits = ro.response_logits(self.policy(ro.input_ids, ro.attention_mask)).float() / self.cfg.temperature
         logp = torch.log_softmax(logits, dim=-1)  # [N, R, V]

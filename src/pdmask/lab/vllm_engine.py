@@ -1,7 +1,7 @@
 """The lab's rollout engine on a real vLLM engine (``engine=vllm``, pretrained models; ``pip install pdmask[vllm]``).
 
 Same interface as ``pdmask.lab.engine.RolloutEngine``: ``sync`` loads the trainer's weights before
-every rollout batch, ``generate`` returns a ``Rollout`` with log μ(a) and μ's top K, read from vLLM's
+every rollout batch, ``generate`` returns a ``RolloutBatch`` with log μ(a) and μ's top K, read from vLLM's
 processed log-probs by ``pdmask.integrations.vllm.rollout_from_outputs``. The engine runs its own
 implementation (kernels, attention, KV cache) in its own precision, so the mismatch the lab measures
 is the real one between two implementations.
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pdmask.lab.engine import Rollout, left_pad
+from pdmask.lab.engine import RolloutBatch, left_pad
 
 #: Rollout precision -> vLLM ``dtype``.
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -106,7 +106,7 @@ class VLLMEngine:
         eos_id: int,
         pad_id: int,
         generator: torch.Generator | None = None,
-    ) -> Rollout:
+    ) -> RolloutBatch:
         """group_size responses per prompt; rows are grouped: row i belongs to prompt i // group_size."""
         from vllm.inputs import TokensPrompt
 
@@ -134,7 +134,7 @@ class VLLMEngine:
         pad_logp[0] = 0.0
         col = mask.unsqueeze(-1)
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(group_size)], pad_id)
-        return Rollout(
+        return RolloutBatch(
             input_ids=torch.cat([prompt_ids, tokens], 1),
             attention_mask=torch.cat([prompt_mask, torch.ones_like(tokens)], 1),
             tokens=tokens,

@@ -36,6 +36,7 @@ except ImportError as err:
     warnings.warn(str(err), stacklevel=2)
     raise
 
+import pdmask.integrations.verl.cpu  # noqa: E402, F401  (registers VERL_PLATFORM=pdmask_cpu, chosen only by that)
 from pdmask.integrations.verl.losses import BINARY_METHODS, loss_name, verl_thresholds  # noqa: E402
 from pdmask.integrations.verl.topk import TOPK_IDS, TOPK_LOGP, TOPK_METHODS, PDMLoss, enable_topk_forward  # noqa: E402
 

@@ -1,22 +1,66 @@
-"""verl's FSDP training engine in one CPU process (gloo, world size 1), for tests and smoke runs.
+"""verl on the CPU, for tests and smoke runs: its FSDP engine in one process, or its whole trainer under Ray.
 
 verl resolves its device through a platform object (``verl.plugin.platform``) and ships CUDA, NPU and
-ROCm ones only; ``CPUPlatform`` is the missing one. Nothing here is used in a real (GPU) run.
+ROCm ones only; ``CPUPlatform`` is the missing one. It is registered in verl's platform registry as
+``pdmask_cpu`` whenever verl loads pdmask's plugin, and chosen only by ``VERL_PLATFORM=pdmask_cpu`` (never
+by verl's auto-detection), so that every process of a Ray run (the trainer's workers, the rollout server,
+vLLM's engine) uses it. Nothing here is used in a real (GPU) run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 import torch
-from verl.plugin.platform import PlatformBase, set_platform
+from verl.plugin.platform import PlatformBase, PlatformRegistry, set_platform
+
+logger = logging.getLogger(__name__)
+
+#: ``VERL_PLATFORM`` value that selects ``CPUPlatform``.
+PLATFORM = "pdmask_cpu"
+#: Ray resource that stands for one "device" of ``CPUPlatform``: verl's placement groups reserve one per worker
+#: and verl counts only Ray's "GPU" or "NPU" before it starts (``verl/single_controller/ray/base.py:230``),
+#: so a Ray run declares logical GPUs (``+ray_kwargs.ray_init.num_gpus=N``); no process uses a GPU.
+RAY_RESOURCE = "GPU"
 
 
+def _host_memory(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes of host memory, what ``torch.cuda.mem_get_info`` says of a GPU."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+_CPU_MEMORY_FUNCTIONS: dict[str, Any] = {
+    "empty_cache": lambda: None,
+    "get_rng_state": lambda device=None: torch.get_rng_state(),  # verl's checkpoints save the device's generator
+    "set_rng_state": lambda state, device=None: torch.set_rng_state(state),
+    "reset_peak_memory_stats": lambda device=None: None,
+    "memory_stats": lambda device=None: {},
+    "memory_allocated": lambda device=None: 0,
+    "memory_reserved": lambda device=None: 0,
+    "max_memory_allocated": lambda device=None: 0,
+    "max_memory_reserved": lambda device=None: 0,
+    "mem_get_info": _host_memory,
+    "ipc_collect": lambda: None,
+    "set_per_process_memory_fraction": lambda fraction, device=None: None,
+}
+
+
+@PlatformRegistry.register(platform=PLATFORM)
 class CPUPlatform(PlatformBase):
     """The host CPU as a verl platform: gloo collectives, no device memory, no profiler."""
+
+    def __init__(self) -> None:
+        # verl calls the device module's memory and generator functions without a CPU guard (its workers'
+        # memory logs, cache cleanup, checkpoints); torch.cpu lacks them. The CPU has no device memory to
+        # report or free, and its generator is torch's default one.
+        for name, fn in _CPU_MEMORY_FUNCTIONS.items():
+            if not hasattr(torch.cpu, name):
+                setattr(torch.cpu, name, fn)
 
     @property
     def device_name(self) -> str:
@@ -32,6 +76,9 @@ class CPUPlatform(PlatformBase):
 
     def is_available(self) -> bool:
         return True
+
+    def is_platform_available(self, use_smi_check: bool = False) -> bool:
+        return False  # chosen by VERL_PLATFORM only: verl's auto-detection keeps its own fallback
 
     def current_device(self) -> Any:
         # verl passes this to FSDP(device_id=...) and TensorDict.to(...): the CPU device serves both.
@@ -78,7 +125,7 @@ class CPUPlatform(PlatformBase):
         pass
 
     def ray_resource_name(self) -> str:
-        return "CPU"
+        return RAY_RESOURCE
 
     def ray_noset_envvars(self) -> list[str]:
         return []
@@ -93,16 +140,69 @@ class CPUPlatform(PlatformBase):
 def init_cpu_process_group() -> None:
     """Installs ``CPUPlatform`` and a one-process gloo group, with the environment verl's workers read (idempotent)."""
     set_platform(CPUPlatform())
-    # verl 0.9.1's TrainingWorker logs these after every step without its CPU guard; torch.cpu lacks them.
-    for name in ("max_memory_allocated", "max_memory_reserved"):
-        if not hasattr(torch.cpu, name):
-            setattr(torch.cpu, name, lambda device=None: 0)
     # verl registers its FSDP engines for cuda/npu only; the same class runs on CPU.
     env = {"VERL_ENGINE_DEVICE": "cuda", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0"}
     for key, value in (env | {"WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}).items():
         os.environ.setdefault(key, value)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+
+def init_worker_process_group() -> None:
+    """Ray's ``worker_process_setup_hook`` for verl's trainer on the CPU: the gloo group of a worker-group process.
+
+    verl's engine worker creates its group with the backend ``cpu:gloo,{device}:{backend}``
+    (``verl/utils/distributed.py:89``, ``initialize_global_process_group_ray``), which torch refuses when the
+    device is the CPU itself (a duplicate device type); it skips that when a group exists. So each process
+    verl starts for a worker group (``WG_BACKEND=ray``, with the ``RANK``/``WORLD_SIZE``/``MASTER_*`` verl
+    gives it) gets the same group, gloo only, before verl's code runs there. Set with
+    ``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pdmask.integrations.verl.cpu.init_worker_process_group``.
+    """
+    if os.environ.get("WG_BACKEND") == "ray" and not torch.distributed.is_initialized():
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def on_cpu_platform() -> bool:
+    """Whether verl runs on ``CPUPlatform`` in this process (``VERL_PLATFORM=pdmask_cpu``)."""
+    from verl.plugin.platform import get_platform
+
+    return isinstance(get_platform(), CPUPlatform)
+
+
+class WithoutWeightSync:
+    """verl's ``CheckpointEngineManager`` whose ``update_weights`` does nothing: the CPU stop of a trainer run.
+
+    verl 0.9.1 moves the actor's weights into vLLM through a shared-memory bucket where CUDA IPC is missing
+    (``verl/workers/rollout/vllm_rollout/vllm_rollout.py:143``, ``use_shm = not is_support_ipc()``). Its
+    receiver in vLLM's worker hands views of that bucket to the model loader, counting on
+    ``tensor.to(device)`` to copy them off it (``bucketed_weight_transfer.py:296-297``); on the CPU that is
+    the same tensor, the views outlive the bucket and closing it fails (``:340``, ``BufferError: cannot
+    close exported pointers exist``), which leaves the trainer waiting on the sender forever. A GPU run
+    sends CUDA IPC handles instead and copies nothing through shared memory. On the CPU the rollout
+    therefore keeps the weights vLLM loaded from the model path (``rollout.load_format=auto``): μ is the
+    initial policy at every step, which the trainer's mask sees as growing off-policyness.
+    """
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def update_weights(self, global_steps: int | None = None) -> dict:
+        """Skips the sync; tells the servers the step as verl's sync does last (it tags each trajectory)."""
+        import ray
+
+        logger.warning(
+            "pdmask CPU run: verl's weight sync into vLLM is skipped (step %s); the rollout keeps its loaded weights "
+            "(see pdmask.integrations.verl.cpu.WithoutWeightSync).",
+            global_steps,
+        )
+        if global_steps is not None:
+            servers = [server for replica in self._manager.replicas for server in replica.servers]
+            ray.get([server.set_global_steps.remote(global_steps) for server in servers])
+        return {}
 
 
 def actor_configs(model_path: str, *, use_remove_padding: bool, lr: float = 1e-3) -> dict[str, Any]:
@@ -153,9 +253,10 @@ def build_training_worker(model_path: str, *, use_remove_padding: bool, lr: floa
     return worker
 
 
-def save_tiny_llama(path: str, *, vocab_size: int = 64, seed: int = 0) -> str:
-    """Writes a random 2-layer Llama (hidden size 32) and a word-level tokenizer ``t0 … t{V-1}`` (with a plain
-    chat template, for verl's agent loops) to ``path``."""
+def save_tiny_llama(path: str, *, vocab_size: int = 64, seed: int = 0, hidden_size: int = 32, heads: int = 4) -> str:
+    """Writes a random 2-layer Llama (``heads`` attention heads of ``hidden_size / heads``; vLLM's CPU attention
+    needs a head size such as 64) and a word-level tokenizer ``t0 … t{V-1}`` (with a plain chat template, for
+    verl's agent loops) to ``path``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -167,11 +268,11 @@ def save_tiny_llama(path: str, *, vocab_size: int = 64, seed: int = 0) -> str:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=128,
         tie_word_embeddings=False,
         pad_token_id=0,
@@ -208,10 +309,13 @@ def padded_batch(
 
 __all__ = [
     "CPUPlatform",
+    "WithoutWeightSync",
     "actor_configs",
     "build_actor_engine",
     "build_training_worker",
     "init_cpu_process_group",
+    "init_worker_process_group",
+    "on_cpu_platform",
     "padded_batch",
     "save_tiny_llama",
 ]

@@ -15,13 +15,13 @@ from torch import Tensor
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl.utils.torch_functional import masked_mean
 
-from pdmask.loss import mask_metrics, per_token_loss
-from pdmask.methods import METHODS, MaskMethod, get_method
+from pdmask.loss import decision_loss, mask_metrics
+from pdmask.methods import METHODS, RENAMED_METHODS, MaskMethod, decide, get_method, method_thresholds
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import PolicyStats, stats_from_set
 
-#: verl's own fallback for ``clip_ratio_c`` in ``dppo_tv``/``dppo_kl`` when the config lacks the key
-#: (verl's ActorConfig always has it, default 3.0: the cap verl's DPPO losses then apply).
+#: The ratio cap verl's ``dppo_tv``/``dppo_kl`` fall back to when a config lacks ``clip_ratio_c``. verl's
+#: ActorConfig always sets that key (default 3.0), so in a verl run the cap is the config's.
 VERL_DPPO_RATIO_CAP = 20.0
 #: The pdmask methods registered as verl policy losses, each under ``pdmask_<name>``.
 BINARY_METHODS = tuple(name for name, m in METHODS.items() if m.needs == "binary")
@@ -34,6 +34,14 @@ def loss_name(method: str | MaskMethod) -> str:
     return f"pdmask_{get_method(method).name}"
 
 
+def method_of(loss_mode: Any) -> MaskMethod | None:
+    """The pdmask method of a verl ``loss_mode`` ``pdmask_<name>`` (an earlier name warns and maps), else None."""
+    if not isinstance(loss_mode, str) or not loss_mode.startswith("pdmask_"):
+        return None
+    name = loss_mode.removeprefix("pdmask_")
+    return get_method(name) if name in METHODS or name in RENAMED_METHODS else None
+
+
 def verl_thresholds(method: MaskMethod, config: Any) -> dict[str, float]:
     """pdmask thresholds read from verl's actor config exactly as verl's ``dppo_tv``/``dppo_kl`` read them.
 
@@ -44,12 +52,9 @@ def verl_thresholds(method: MaskMethod, config: Any) -> dict[str, float]:
         raise ValueError(f"{loss_name(method)} reads its thresholds from verl's actor config; config is None.")
     low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    values = {"ratio_cap": float(config.get("clip_ratio_c", VERL_DPPO_RATIO_CAP))}
-    if method.rule == "ppo_clip":
-        values |= {"eps_low": float(low), "eps_high": float(high)}
-    elif method.rule != "none":
-        values |= {"delta_low": float(low), "delta_high": float(high)}
-    return values
+    cap = config.get("clip_ratio_c", VERL_DPPO_RATIO_CAP)
+    # verl's config always carries clip_ratio, so pg_is (which takes no low/high) ignores it.
+    return method_thresholds(method, low, high, cap, ignore_unused=True)
 
 
 def binary_stats(log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor) -> PolicyStats:
@@ -78,7 +83,8 @@ def masked_policy_loss(
     aggregated by verl's own ``agg_loss`` (with its global-batch normalisation)."""
     thresholds = verl_thresholds(method, config)
     mask = response_mask.bool()
-    loss_mat, keep = per_token_loss(method, stats, advantages, mask, **thresholds)
+    decision = decide(method, stats, advantages, mask, **thresholds)
+    loss_mat, keep = decision_loss(decision), decision.keep
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights
     loss = agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
@@ -88,10 +94,10 @@ def masked_policy_loss(
             "actor/pg_clipfrac": masked_mean((~keep).float(), mask).item(),
             "actor/ppo_kl": masked_mean(-log_ratio, mask).item(),
             "actor/pg_clipfrac_lower": masked_mean(
-                ((log_ratio.exp() > thresholds["ratio_cap"]) & keep).float(), mask
+                ((log_ratio.exp() > decision.thresholds["ratio_cap"]) & keep).float(), mask
             ).item(),
         }
-    pdm = mask_metrics(method, stats, advantages, mask, keep, **thresholds)
+    pdm = mask_metrics(decision)
     metrics |= {METRIC_PREFIX + key: value for key, value in pdm.items() if not key.startswith("count/")}
     return loss, metrics
 
@@ -114,9 +120,11 @@ def register(method: MaskMethod, stats_of: Callable[[Tensor, Tensor, Tensor], Po
     policy_loss.__name__ = policy_loss.__qualname__ = loss_name(method)
     policy_loss.__doc__ = f"verl policy loss for pdmask's {method.name!r}{doc}: {method.description}"
     register_policy_loss(loss_name(method))(policy_loss)
+    for old in (old for old, new in RENAMED_METHODS.items() if new == method.name):  # deprecated names keep working
+        register_policy_loss(f"pdmask_{old}")(policy_loss)
 
 
 for _name in BINARY_METHODS:
     register(METHODS[_name], binary_stats, "")
 
-__all__ = ["BINARY_METHODS", "binary_stats", "loss_name", "masked_policy_loss", "register", "verl_thresholds"]
+__all__ = ["BINARY_METHODS", "binary_stats", "loss_name", "masked_policy_loss", "method_of", "register", "verl_thresholds"]

@@ -24,8 +24,9 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
-from pdmask.integrations.verl.losses import loss_name, register
-from pdmask.methods import METHODS, MaskMethod, get_method
+from pdmask.integrations.verl.losses import loss_name, method_of, register
+from pdmask.integrations.verl.record import record, recording
+from pdmask.methods import METHODS, MaskMethod
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import PolicyStats, policy_stats
 
@@ -73,7 +74,7 @@ class PDMLoss:
 
     Args:
         config: verl's actor config (``ActorConfig``); ``config.policy_loss.loss_mode`` must be
-            ``pdmask_<method>`` of a top-K method (``pdmask_pdm_tail_tv``, ``pdmask_dppo_topk_kl``...).
+            ``pdmask_<method>`` of a top-K method (``pdmask_pdm_aggregated_kl``, ``pdmask_dppo_topk_kl``...).
         top_k: K the rollout was asked for (checked against the batch); None accepts any K.
     Set it as the actor's loss function (``actor_rollout_wg.set_loss_fn(PDMLoss(config))``) and mark each
     actor batch with ``enable_topk_forward``.
@@ -81,15 +82,15 @@ class PDMLoss:
 
     def __init__(self, config: Any, top_k: int | None = None) -> None:
         mode = config.policy_loss.get("loss_mode", "vanilla")
-        names = {loss_name(m): m for m in TOPK_METHODS}
-        if mode not in names:
+        method = method_of(mode)
+        if method is None or method.name not in TOPK_METHODS:
             raise ValueError(
                 f"PDMLoss runs the top-K methods; actor.policy_loss.loss_mode is {mode!r}. Set it to one of "
-                f"{', '.join(sorted(names))} (binary methods need no PDMLoss)."
+                f"{', '.join(sorted(loss_name(m) for m in TOPK_METHODS))} (binary methods need no PDMLoss)."
             )
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}.")
-        self.config, self.method, self.top_k = config, get_method(names[mode]), top_k
+        self.config, self.method, self.top_k = config, method, top_k
 
     def __call__(
         self,
@@ -143,6 +144,8 @@ class PDMLoss:
         topk_logp[at] = rollout.topk_logp.to(logits.device)[valid]
         logp = torch.zeros(n, device=logits.device)
         logp[at] = rollout.logp.to(logits.device)[valid]
+        if recording():
+            _record_inputs(data["input_ids"], tokens, where, valid, ids, topk_logp, logp)
         stats = policy_stats(
             logits,
             tokens,
@@ -170,6 +173,26 @@ class PDMLoss:
         singles["set_valid"] = singles["set_valid"].bool()
         # log π(a) with its gradient is verl's own; the policy loss puts it in place of this stand-in.
         return PolicyStats(logp=singles["rollout_logp"], has_topk=True, has_full=False, **singles)
+
+
+def _record_inputs(
+    input_ids: Tensor, tokens: Tensor, where: Tensor, valid: Tensor, ids: Tensor, topk_logp: Tensor, logp: Tensor
+) -> None:
+    """Per sample, the sequence and, at each response token, the token a the statistics pair with μ's row
+    (``record``; the end-to-end check compares them with what the rollout server sent)."""
+    rows = []
+    for b, sequence in enumerate(input_ids.unbind()):
+        at = where[b][valid[b]]
+        rows.append(
+            {
+                "sequence": sequence.tolist(),
+                "targets": tokens[at].tolist(),
+                "topk_ids": ids[at].tolist(),
+                "topk_logps": topk_logp[at].tolist(),
+                "logp": logp[at].tolist(),
+            }
+        )
+    record("loss", rows)
 
 
 def enable_topk_forward(data: TensorDict) -> TensorDict:
@@ -202,7 +225,9 @@ def _flatten(stats: PolicyStats) -> Iterator[tuple[str, Tensor]]:
 
 
 def _padded(x: Tensor) -> Tensor:
-    return x.to_padded_tensor(0) if x.is_nested else x
+    """A jagged batch field padded with zeros to its longest row. Padded by the rows themselves: a jagged tensor
+    that came through verl's TransferQueue can carry a larger cached max length (``to_padded_tensor`` pads to it)."""
+    return torch.nn.utils.rnn.pad_sequence(list(x.unbind()), batch_first=True) if x.is_nested else x
 
 
 def _stats_under_pdm_loss(method: MaskMethod) -> Callable[[Tensor, Tensor, Tensor], PolicyStats]:

@@ -17,8 +17,10 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from pdmask.integrations.entries import check_logprobs_mode
 from pdmask.integrations.verl.agent_loop import TOPK_AGENT_LOOP
+from pdmask.integrations.verl.cpu import WithoutWeightSync, on_cpu_platform
+from pdmask.integrations.verl.losses import loss_name, method_of
 from pdmask.integrations.verl.rollout import LOGPROBS_FIX, rollout_top_k
-from pdmask.integrations.verl.topk import PROCESSOR_FLAG, PDMLoss
+from pdmask.integrations.verl.topk import PROCESSOR_FLAG, TOPK_METHODS, PDMLoss
 
 #: The ``trainer.v1.trainer_mode`` this module registers.
 TRAINER_MODE = "pdmask_sync"
@@ -28,12 +30,20 @@ TRAINER_MODE = "pdmask_sync"
 class PDMTrainerSync(PPOTrainerSync):
     """``PPOTrainerSync`` whose actor computes a top-K pdmask loss (``actor.policy_loss.loss_mode=pdmask_<method>``)."""
 
+    def _build_replay_buffer(self) -> Any:
+        # verl's base trainer picks the synchronous replay buffer, checkpoint contents and refill rules by the
+        # mode's name, "sync" (its __init__ calls this right after reading the name): this mode is verl's sync.
+        self.trainer_mode = "sync"
+        return super()._build_replay_buffer()
+
     def _setup(self) -> None:
-        check_topk_rollout(self.config.actor_rollout_ref.rollout)
+        check_topk_config(self.config)
         from pdmask.integrations.verl.vllm_server import use_topk_replica  # imports vLLM
 
         use_topk_replica()
         super()._setup()
+        if on_cpu_platform():  # a CPU test run: verl's weight sync cannot run there (WithoutWeightSync says why)
+            self.checkpoint_manager = WithoutWeightSync(self.checkpoint_manager)
 
     def on_init_end(self) -> None:
         super().on_init_end()
@@ -50,11 +60,40 @@ class PDMTrainerSync(PPOTrainerSync):
             self.actor_rollout_wg = workers
 
 
-def check_topk_rollout(rollout: Any) -> None:
-    """Refuses, with the override that fixes it, a rollout config that cannot bring μ's top K to the actor."""
-    rollout_top_k(rollout)
+def check_topk_config(config: Any) -> None:
+    """Refuses, before anything starts, a config whose top-K path cannot work: one line naming each override.
+
+    Checked: a top-K ``loss_mode``; logits the loss can read (no fused kernels, no Ulysses); a rollout that
+    brings μ's top K (pdmask's vLLM server, not a custom one, with a cap of at least K; the top-K agent loop;
+    log-probs of the sampled distribution). K itself is one setting, ``rollout.custom.pdmask_top_k``, read by
+    the server, the agent loop and ``PDMLoss`` alike.
+    """
+    ref = config.actor_rollout_ref
+    rollout, actor = ref.rollout, ref.actor
+    top_k = rollout_top_k(rollout)
+    mode = (actor.get("policy_loss") or {}).get("loss_mode")
+    method = method_of(mode)
+    if method is None or method.name not in TOPK_METHODS:
+        modes = ", ".join(sorted(loss_name(m) for m in TOPK_METHODS))
+        raise ValueError(
+            f"trainer_mode=pdmask_sync runs the top-K methods; actor_rollout_ref.actor.policy_loss.loss_mode is "
+            f"{mode!r}: set it to one of {modes} (binary methods run in verl's own trainer_mode=sync)."
+        )
+    max_logprobs = ((rollout.get("engine_kwargs") or {}).get("vllm") or {}).get("max_logprobs")
     fixes = {
+        "actor_rollout_ref.model.use_fused_kernels=False (fused kernels never materialise the logits PDMLoss reads)": (
+            not ref.model.get("use_fused_kernels", False)
+        ),
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (PDMLoss needs whole sequences)": (
+            actor.get("ulysses_sequence_parallel_size", 1) == 1
+        ),
         "actor_rollout_ref.rollout.name=vllm (SGLang's server is not extended)": rollout.get("name") == "vllm",
+        "actor_rollout_ref.rollout.agent.custom_async_server.path=null (pdmask's vLLM server returns the top K)": not (
+            ((rollout.get("agent") or {}).get("custom_async_server") or {}).get("path")
+        ),
+        f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs>={top_k} (the server's cap, below K)": (
+            max_logprobs is None or max_logprobs >= top_k
+        ),
         "actor_rollout_ref.rollout.calculate_log_probs=True": bool(rollout.get("calculate_log_probs")),
         f"actor_rollout_ref.rollout.agent.default_agent_loop={TOPK_AGENT_LOOP}": (
             (rollout.get("agent") or {}).get("default_agent_loop") == TOPK_AGENT_LOOP
@@ -65,7 +104,7 @@ def check_topk_rollout(rollout: Any) -> None:
     }
     missing = [fix for fix, ok in fixes.items() if not ok]
     if missing:
-        raise ValueError(f"trainer_mode=pdmask_sync needs the rollout's top K: set {'; '.join(missing)}.")
+        raise ValueError(f"trainer_mode=pdmask_sync needs μ's top K in the actor's loss: set {'; '.join(missing)}.")
     check_logprobs_mode(rollout.get("logprobs_mode"), rollout.get("temperature"), fix=LOGPROBS_FIX)
 
 
@@ -87,4 +126,4 @@ class _FlaggedUpdates:
         return self._workers.update_actor(batch)
 
 
-__all__ = ["TRAINER_MODE", "PDMTrainerSync", "check_topk_rollout"]
+__all__ = ["TRAINER_MODE", "PDMTrainerSync", "check_topk_config"]

@@ -18,12 +18,10 @@ import ray
 from verl.workers.rollout.replica import RolloutReplicaRegistry, TokenOutput
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from pdmask.integrations.entries import check_logprobs_mode
+from pdmask.integrations.entries import VLLM_MAX_LOGPROBS, check_logprobs_mode
+from pdmask.integrations.verl.record import record
 from pdmask.integrations.verl.rollout import ENTRIES, LOGPROBS_FIX, entries_field, rollout_top_k
 from pdmask.integrations.vllm import TopKCapture, engine_kwargs
-
-#: vLLM's own cap on log-probs per request (``ModelConfig.max_logprobs``), kept unless K needs more.
-VLLM_MAX_LOGPROBS = 20
 
 
 class TopKvLLMHttpServer(vLLMHttpServer):
@@ -58,6 +56,7 @@ class TopKvLLMHttpServer(vLLMHttpServer):
             final = self.engine.pop(request_id) if self.engine is not None else None
         if output.log_probs is not None and final is not None and final.outputs:
             output.extra_fields[ENTRIES] = entries_field(final.outputs[0])
+            record("server", [{"prompt": list(prompt_ids), **output.extra_fields[ENTRIES]}])
         return output
 
 

@@ -5,7 +5,7 @@ Paths, each on the same logits [N, V] (no gradient), K = 20:
   dppo_torch  log_softmax(logits.float()) + gathers at a and the top-K  (DPPO's statistics, plain torch)
   dppo_topk   pdmask.policy_stats without ‖π‖² + the dppo_topk_tv mask  (DPPO's statistics, chunked)
   pdm_proportional    pdmask.policy_stats with ‖π‖² + the pdm_proportional_tv mask      (PDM's statistics, chunked)
-and the hidden-state rows of ``pdmask.bench_hidden`` (forward + backward from hidden states and the LM head).
+and the hidden-state rows of ``pdmask.tools.bench_hidden`` (forward + backward from hidden states and the LM head).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from pdmask.bench_hidden import FULL_HIDDEN_GRID, QUICK_HIDDEN_GRID, HiddenRow, measure_hidden, render_hidden
 from pdmask.jsonio import dumps
 from pdmask.methods import trust_region_mask
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import policy_stats
+from pdmask.tools.bench_hidden import FULL_HIDDEN_GRID, QUICK_HIDDEN_GRID, HiddenRow, measure_hidden, render_hidden
 
 HELP = (
     "Benchmark time and peak memory of the PDM tail statistics against the plain pass and DPPO's top-K statistics, "
@@ -162,7 +162,10 @@ def render(rows: list[Row]) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="three logits rows and one hidden-state row (N <= 1,024)")
     p.add_argument("--part", choices=("all", "logits", "hidden"), default="all", help="which rows to run")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per path (default 5, quick 3; hidden rows 2, none for the memory-only rows)")
+    p.add_argument(
+        "--repeats", type=int, default=None,
+        help="timed repeats per path (default 5, quick 3; hidden rows 2, none for the memory-only rows)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 

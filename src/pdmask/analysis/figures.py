@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from pdmask.analysis.experiment import TOPK_ESTIMATORS
-from pdmask.analysis.report import MASK_COLUMNS, SUBSETS, TRUTHS, mask_rows, pi_bucket_labels
+from pdmask.analysis.tables import MASK_COLUMNS, SUBSETS, TRUTHS, mask_rows, pi_bucket_labels
 
 #: The predictive-mask paper's unsafe-keep rates (its models and setting, not this run), drawn for scale.
 PAPER_UNSAFE_KEEP = {"dppo": (0.369, "ratio sign"), "pdm": (0.342, "divergence-based")}
@@ -26,8 +26,8 @@ def _error_bars(cells: list[dict]) -> list[list[float]]:
 
 
 def write_plots(out_dir: Path, summary: dict) -> None:
-    """agreement.png, by_pi_a.png, topk.png and masks.png of a summary (``report.summarize``) in ``out_dir``."""
-    import matplotlib
+    """agreement.png, by_pi_a.png, topk.png and masks.png of a summary (``tables.summarize``) in ``out_dir``."""
+    import matplotlib  # imported here: `pdmask analyze` loads matplotlib only when it writes the figures
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

