@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdmask.integrations._version import in_range
-from pdmask.integrations.entries import (
+from pdmask.integrations.logprob_lists import (
     PROCESSED,
     Completions,
     check_k,

@@ -7,7 +7,7 @@ aggregation, KL and entropy terms, logging and distribution all stay TRL's. What
 - rollout side: with TRL's transformers ``generate``, a forward hook on the policy records at every step
   log μ(a) and the top-K log-probs of μ = softmax(z/τ) (or all of μ for the ``*_full`` methods); with
   ``use_vllm=True``, TRL's vLLM generation is asked for ``logprobs=K`` (processed log-probs) and
-  ``pdmask.integrations.entries.completions_from_lists`` reads log μ(a) and μ's top K from its answer;
+  ``pdmask.integrations.logprob_lists.completions_from_lists`` reads log μ(a) and μ's top K from its answer;
 - loss side: in the scoring forward TRL already runs, ‖π‖² comes from TRL's fused LM head
   (``log_sum_sq_probs``) and π at S = TopK(μ) ∪ {a} from K+1 gathered rows of the LM head, so no
   [batch, length, vocab] tensor is built. pdmask computes the mask M and the per-token weight
@@ -48,7 +48,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError("pdmask.integrations.trl needs TRL: `pip install 'pdmask[trl]'`.") from err
 check_trl_version(trl.__version__)
 
-from pdmask.integrations.entries import VLLM_MAX_LOGPROBS
+from pdmask.integrations.logprob_lists import VLLM_MAX_LOGPROBS
 from pdmask.integrations.trl.config import LOSS_TYPES, PDMConfig
 from pdmask.integrations.trl.trainer import PDMTrainer
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from pdmask import get_method, method_thresholds
-from pdmask.integrations.entries import VLLM_MAX_LOGPROBS
+from pdmask.integrations.logprob_lists import VLLM_MAX_LOGPROBS
 
 #: TRL loss types whose per-token loss is −min(r·A, clip(r)·A): with the clip off it is −r·A.
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")

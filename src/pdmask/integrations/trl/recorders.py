@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pdmask.integrations.entries import check_logprobs_mode, completions_from_lists
+from pdmask.integrations.logprob_lists import check_logprobs_mode, completions_from_lists
 
 
 class RolloutRecorder:

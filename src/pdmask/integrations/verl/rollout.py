@@ -4,7 +4,7 @@ verl's rollout server answers one request with a ``TokenOutput``; ``entries_fiel
 engine's per-position entries of that completion into ``TokenOutput.extra_fields`` as plain lists
 (cheap: the server's event loop also runs the engine's output handling), and the agent loop
 (``pdmask.integrations.verl.agent_loop``) turns them into μ's top K with ``topk_tensors``, the vLLM
-adapter's conversion (``pdmask.integrations.entries``), as [response_len, K] tensors of the sample.
+adapter's conversion (``pdmask.integrations.logprob_lists``), as [response_len, K] tensors of the sample.
 ``topk_batch_fields`` builds the same fields for a whole batch from pdmask ``Completions``.
 Nothing here imports vLLM: the trainer's environment converts what the engine's process sent.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pdmask.integrations.entries import check_k, completion_entries, completions_from_lists
+from pdmask.integrations.logprob_lists import check_k, completion_entries, completions_from_lists
 from pdmask.integrations.verl.topk import TOPK_IDS, TOPK_LOGP
 from pdmask.rollout import RolloutLogprobs
 

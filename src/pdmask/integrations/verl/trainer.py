@@ -15,7 +15,7 @@ from typing import Any
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.utils.config import omega_conf_to_dataclass
 
-from pdmask.integrations.entries import check_logprobs_mode
+from pdmask.integrations.logprob_lists import check_logprobs_mode
 from pdmask.integrations.verl.agent_loop import TOPK_AGENT_LOOP
 from pdmask.integrations.verl.cpu import WithoutWeightSync, on_cpu_platform
 from pdmask.integrations.verl.losses import loss_name, method_of

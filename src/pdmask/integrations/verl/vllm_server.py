@@ -18,7 +18,7 @@ import ray
 from verl.workers.rollout.replica import RolloutReplicaRegistry, TokenOutput
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from pdmask.integrations.entries import VLLM_MAX_LOGPROBS, check_logprobs_mode
+from pdmask.integrations.logprob_lists import VLLM_MAX_LOGPROBS, check_logprobs_mode
 from pdmask.integrations.verl.record import record
 from pdmask.integrations.verl.rollout import ENTRIES, LOGPROBS_FIX, entries_field, rollout_top_k
 from pdmask.integrations.vllm import TopKCapture, engine_kwargs
