@@ -78,3 +78,41 @@ def test_smoke_preset_writes_its_report(tmp_path):
     # Its time is measured in the docs, not asserted here: this machine is shared and noisy.
     assert main(["compare", "--preset", "smoke", "--out", str(tmp_path), "--workers", "2"]) == 0
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.json").exists()
+
+
+def _methods(per_seed_final: dict[str, dict[int, float]], start: float = 0.5) -> dict:
+    """Per-method summaries as analyse() builds them, from final accuracies (start the same for every seed)."""
+    out = {}
+    for m, finals in per_seed_final.items():
+        per_seed = {
+            "final_accuracy": finals,
+            "mean_accuracy": finals,
+            "initial_accuracy": {s: start for s in finals},
+            "accuracy_gain": {s: v - start for s, v in finals.items()},
+            "mismatch_growth": {s: 0.0 for s in finals},
+        }
+        out[m] = {"per_seed": per_seed} | {k: mean_ci(list(v.values())).as_dict() for k, v in per_seed.items()}
+    return out
+
+
+def test_verdicts_are_checked_on_disjoint_halves_of_the_seeds():
+    from pdmask.lab.summary import ask, replication
+
+    seeds = range(8)
+    # A clear gain over the start and over pg_is on every seed; PDM ahead of DPPO only on the first half.
+    methods = _methods(
+        {
+            "pg_is": {s: 0.40 + 0.01 * (s % 2) for s in seeds},
+            "dppo_topk_kl": {s: 0.60 + 0.01 * (s % 3) for s in seeds},
+            "pdm_aggregated_kl": {s: 0.60 + 0.01 * (s % 3) + (0.05 if s < 4 else 0.0) for s in seeds},
+        }
+    )
+    questions = ask(methods)
+    assert questions["learning"]["answer"] == "yes" and questions["trust_region"]["answer"] == "yes"
+    rep = replication(methods, questions)
+    assert rep["halves"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    rows = rep["verdicts"]
+    assert rows["learning"]["replicates"] and rows["trust_region"]["replicates"]
+    pdm = rows["pdm_vs_dppo:pdm_aggregated_kl"]
+    assert pdm["all"] == "pdm ahead" and pdm["halves"] == ["pdm ahead", "identical"] and not pdm["replicates"]
+    assert replication(_methods({"pg_is": {0: 0.1, 1: 0.2}}), {}) is None  # fewer than 4 seeds: no halves

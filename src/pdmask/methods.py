@@ -128,7 +128,7 @@ def _registry() -> dict[str, MaskMethod]:
 
 #: Every mask method by name. Adding a method is one MaskMethod entry.
 METHODS: Mapping[str, MaskMethod] = MappingProxyType(_registry())
-#: Earlier method names, still accepted with a DeprecationWarning. (``pdm_exactpi_*`` was then pdmask's
+#: Earlier method names, still accepted with a DeprecationWarning. (``pdm_uniform_*`` was then pdmask's
 #: exact-π refinement, now ``pdm_exactpi_*``; the name now means the paper's uniform-tail.)
 RENAMED_METHODS: Mapping[str, str] = MappingProxyType(
     {f"pdm_{old}_{kind}": f"pdm_{new}_{kind}" for old, new in RENAMED_ESTIMATORS.items() for kind in ("tv", "kl")}
