@@ -164,3 +164,16 @@ def test_metrics_stay_finite_for_extreme_ratios():
     loss, metrics = policy_loss("pg_is", z, a, tiny_mu, adv, mask)
     assert torch.isfinite(loss) and all(math.isfinite(v) for v in metrics.values())
     assert metrics["ratio/max"] > 1e40
+
+
+def test_mask_metrics_old_call_warns_and_measures_the_given_keep(case):
+    from pdmask import decide, mask_metrics, policy_stats
+
+    z, logmu, a, ids, vals = case
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals))
+    adv = torch.linspace(-1, 1, a.shape[0], dtype=torch.float64)
+    mask = torch.ones_like(a)
+    new = mask_metrics(decide("pdm_aggregated_kl", stats, adv, mask))
+    with pytest.warns(DeprecationWarning, match="pass the decision"):
+        old = mask_metrics("pdm_aggregated_kl", stats, adv, mask, torch.zeros_like(a, dtype=torch.bool))
+    assert old["mask/dropped_frac"] == 1.0 and old["div/mean"] == new["div/mean"]

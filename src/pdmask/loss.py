@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -175,6 +176,8 @@ def mask_metrics(
         if stats is None or advantages is None or response_mask is None:
             raise TypeError("mask_metrics(method, ...) needs stats, advantages and response_mask.")
         decision = decide(decision, stats, advantages, response_mask, **thresholds)
+        if keep is not None:  # the caller's mask is the one to measure
+            decision = dataclasses.replace(decision, keep=keep.bool() & decision.response)
     m, stats, adv, mask = decision.method, decision.stats, decision.advantages, decision.response
     if decision.divergence is not None and decision.beyond is not None:
         kind, d, beyond = m.kind, decision.divergence, decision.beyond & mask
