@@ -5,9 +5,10 @@ never need to know which one they hold:
 
 - ``policy(input_ids, attention_mask) -> logits``: input_ids/attention_mask [B, T] (left padding
   allowed, mask 1 = real token), logits [B, T, V] (float, in the policy's dtype).
-- ``policy.prefill(input_ids, attention_mask) -> (logits [B, V], cache)``: logits of the last
-  position plus a key/value cache, and ``policy.extend(tokens [B], attention_mask [B, T+1], cache)
-  -> (logits [B, V], cache)`` for one more token. Used by the engine for fast sampling.
+- ``policy.prefill(input_ids, attention_mask, repeats=1) -> (logits [B * repeats, V], cache)``: logits
+  of the last position plus a key/value cache, every row repeated ``repeats`` times (for groups of
+  responses to one prompt), and ``policy.extend(tokens [B], attention_mask [B, T+1], cache) ->
+  (logits [B, V], cache)`` for one more token. Used by the engine for fast sampling.
 - ``policy.vocab_size`` and ``policy.lm_head.weight`` (the unembedding matrix, [V, d]).
 
 ``build_policy(name)`` builds one by name: ``"tiny"`` (~0.1M parameters), ``"small"`` (~1M),
@@ -35,6 +36,17 @@ Cache = Any  # list of per-layer (k, v) for TinyGPT; a transformers Cache for HF
 def positions(attention_mask: Tensor) -> Tensor:
     """Position ids [B, T] that start at 0 at the first real token (so left padding is invisible)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def attention_bias(attention_mask: Tensor, t: int, dtype: torch.dtype) -> Tensor:
+    """Additive attention bias [B, 1, t, T] for the last t of T positions: 0 where allowed, -inf elsewhere."""
+    T = attention_mask.shape[1]
+    # Query i (absolute T - t + i) sees keys j <= its position that are not padding.
+    causal = torch.ones(t, T, dtype=torch.bool, device=attention_mask.device).tril(T - t)
+    allowed = causal[None] & attention_mask.bool()[:, None, :]
+    allowed = allowed | ~allowed.any(-1, keepdim=True)  # fully padded rows: attend anywhere (output unused)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device)
+    return bias.masked_fill(~allowed, float("-inf"))[:, None]
 
 
 # ----------------------------------------------------------------------------- TinyGPT
@@ -71,15 +83,16 @@ class Block(nn.Module):
         )
 
     def forward(
-        self, x: Tensor, attn_bias: Tensor, past: tuple[Tensor, Tensor] | None
+        self, x: Tensor, attn_bias: Tensor | None, past: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """x [B, t, d]; attn_bias [B, 1, t, T_total] additive; past (k, v) each [B, H, T_past, d/H]."""
+        """x [B, t, d]; attn_bias [B, 1, t, T_total] additive, or None without padding (causal if t > 1);
+        past (k, v) each [B, H, T_past, d/H]."""
         B, t, d = x.shape
         q, k, v = self.qkv(self.ln_1(x)).split(d, dim=-1)
         q, k, v = (z.view(B, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, is_causal=attn_bias is None and t > 1)
         x = x + self.proj(y.transpose(1, 2).reshape(B, t, d))
         return x + self.mlp(self.ln_2(x)), (k, v)
 
@@ -116,11 +129,9 @@ class TinyGPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
         pos = positions(attention_mask)[:, T - t :]
         x = self.wte(input_ids) + self.wpe(pos)
-        # Query i (absolute T - t + i) sees keys j <= its position that are not padding.
-        causal = torch.ones(t, T, dtype=torch.bool, device=input_ids.device).tril(T - t)
-        allowed = causal[None] & attention_mask.bool()[:, None, :]
-        allowed = allowed | ~allowed.any(-1, keepdim=True)  # fully padded rows: attend anywhere (output unused)
-        bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))[:, None]
+        bias = None  # no padding and t in (1, T): SDPA's own causal mask (same numbers, nothing to build)
+        if t not in (1, T) or not bool(attention_mask.all()):
+            bias = attention_bias(attention_mask, t, x.dtype)
         new_past = []
         for i, block in enumerate(self.blocks):
             x, kv = block(x, bias, None if past is None else past[i])
@@ -132,9 +143,11 @@ class TinyGPT(nn.Module):
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         return self._run(input_ids, mask, None)[0]
 
-    def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Cache]:
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor, repeats: int = 1) -> tuple[Tensor, Cache]:
         logits, past = self._run(input_ids, attention_mask, None)
-        return logits[:, -1], past
+        if repeats > 1:  # every row's results repeated: rows are independent, so the same as repeating the input
+            past = [(k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0)) for k, v in past]
+        return logits[:, -1].repeat_interleave(repeats, 0), past
 
     def extend(self, tokens: Tensor, attention_mask: Tensor, cache: Cache) -> tuple[Tensor, Cache]:
         logits, past = self._run(tokens[:, None], attention_mask, cache)
@@ -165,7 +178,8 @@ class HFPolicy(nn.Module):
             input_ids=input_ids, attention_mask=mask, position_ids=positions(mask), use_cache=False
         ).logits
 
-    def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Cache]:
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor, repeats: int = 1) -> tuple[Tensor, Cache]:
+        input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask), use_cache=True
         )

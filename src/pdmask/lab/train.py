@@ -74,10 +74,12 @@ def evaluate(
     was_training = policy.training
     policy.eval()
 
-    def score(problems: list, temp: float) -> tuple[list[float], list[bool]]:
+    def score(problems: list, temp: float, group: int = 1) -> tuple[list[float], list[bool]]:
+        """group responses per problem, in batches of batch_size responses (batch_size // group problems)."""
         rewards, correct = [], []
-        for i in range(0, len(problems), batch_size):
-            part = problems[i : i + batch_size]
+        per_batch = batch_size // group
+        for i in range(0, len(problems), per_batch):
+            part = problems[i : i + per_batch]
             r = sample(
                 policy,
                 [p.prompt_ids for p in part],
@@ -87,9 +89,10 @@ def evaluate(
                 temperature=temp,
                 top_k_logprobs=1,
                 generator=generator,
+                group_size=group,
             )
-            for p, resp in zip(part, r.tokens.tolist()):
-                reward, ok = task.score(p, resp)
+            for j, resp in enumerate(r.tokens.tolist()):
+                reward, ok = task.score(part[j // group], resp)
                 rewards.append(reward)
                 correct.append(ok)
         return rewards, correct
@@ -97,7 +100,12 @@ def evaluate(
     rewards, correct = score(list(task.heldout), 0.0)
     out = {"eval/accuracy": sum(correct) / len(correct), "eval/reward": sum(rewards) / len(rewards)}
     if samples > 0:
-        _, sampled = score([p for p in task.heldout for _ in range(samples)], temperature)
+        # The samples of a prompt share one prefill; batches stay those of the prompts repeated in order
+        # (the same random draws) when batch_size is a multiple of samples.
+        if batch_size % samples == 0:
+            _, sampled = score(list(task.heldout), temperature, group=samples)
+        else:
+            _, sampled = score([p for p in task.heldout for _ in range(samples)], temperature)
         out["eval/sampled_accuracy"] = sum(sampled) / len(sampled)
     policy.train(was_training)
     return out
@@ -295,7 +303,8 @@ class Run:
                 loss = pdmask.aggregate_loss(pdmask.decision_loss(decision), mb.response_mask, cfg.agg)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+                # foreach: one fused pass over the gradients on CPU too (the same norm and scaling, bit for bit)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip, foreach=True)
                 self.optimizer.step()
                 m = pdmask.mask_metrics(decision) | {"loss/policy": loss.item(), "grad/norm": grad_norm.item()}
                 updates.append(m | tail_metrics(cfg, stats, advantages[idx], mb.response_mask))
@@ -321,13 +330,14 @@ class Run:
         """The trainer's π now against the engine's μ (same weights unless rollout_lag > 0): TV, entropy, μ for the loss."""
         logits = ro.response_logits(self.policy(ro.input_ids, ro.attention_mask)).float() / self.cfg.temperature
         logp = torch.log_softmax(logits, dim=-1)  # [N, R, V]
+        p = logp.exp()
         mask = ro.response_mask
         if ro.full_logp is not None:
-            tv = 0.5 * (logp.exp() - ro.full_logp.exp()).abs().sum(-1)
+            tv = 0.5 * (p - ro.full_logp.exp()).abs().sum(-1)
         else:  # vocabulary too large to keep μ in full: DPPO's top-K estimate of the TV
             tv = pdmask.divergence(pdmask.policy_stats(logits, ro.tokens, ro.rollout_logprobs()), "tv", "topk")
         logp_a = logp.gather(-1, ro.tokens[..., None]).squeeze(-1)
-        entropy = -(logp.exp() * logp).sum(-1)
+        entropy = -(p * logp).sum(-1)
         metrics = {
             "mismatch/tv_mean": tv[mask].mean().item(),
             "mismatch/tv_max": tv[mask].max().item(),
