@@ -11,13 +11,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pdmask.kernel import KERNEL_ESTIMATORS, kernel_change
 from pdmask.stats import FullReductions, PolicyStats
 
 KINDS = ("tv", "kl")
 INFOS = ("binary", "topk", "full")
 #: The predictive estimators of G: ``full`` (exact), the paper's two top-K tails (``aggregated``,
-#: ``uniform``) and pdmask's two refinements (``proportional``, ``exactpi``).
-ESTIMATORS = ("full", "aggregated", "uniform", "proportional", "exactpi")
+#: ``uniform``) and pdmask's two refinements (``proportional``, ``exactpi``); then pdmask's kernel-aware
+#: direction G_W (``pdmask.kernel``), with a full or a top-K μ.
+ESTIMATORS = ("full", "aggregated", "uniform", "proportional", "exactpi", *KERNEL_ESTIMATORS)
+#: The estimators whose G needs μ over the whole vocabulary.
+FULL_ESTIMATORS = ("full", "kernel_full")
 #: The estimators that need the exact ‖π‖² (one more reduction over the vocabulary in the pass).
 SQ_NORM_ESTIMATORS = ("full", "proportional", "exactpi")
 #: Earlier names, still accepted with a DeprecationWarning (``uniform`` was then pdmask's ``exactpi``).
@@ -53,10 +57,13 @@ def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
     the paper's ``aggregated`` (aggregated-tail) applies the forms to the K+1 categories S ∪ {R}; the
     paper's ``uniform`` (uniform-tail) spreads both tails evenly, π_j = π_R/T and μ_j = μ_R/T off S;
     pdmask's ``proportional`` keeps the exact ‖π‖² and takes μ's tail proportional to π's; pdmask's
-    ``exactpi`` keeps π exact and spreads only μ's tail evenly (μ_j = μ_R/T).
+    ``exactpi`` keeps π exact and spreads only μ's tail evenly (μ_j = μ_R/T). ``kernel_full`` and
+    ``kernel_topk`` return the kernel-aware G_W instead (``pdmask.kernel.kernel_change``).
     """
     _check_choice("kind", kind, KINDS)
     estimator = canonical_estimator(estimator)
+    if estimator in KERNEL_ESTIMATORS:
+        return kernel_change(stats, kind, estimator)
     pi_a, mu_a = stats.pi_a, stats.mu_a
     if estimator == "full":
         full = _require_full(stats)

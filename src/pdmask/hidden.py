@@ -34,6 +34,7 @@ def policy_stats_from_hidden(
     need_sq_norm: bool = True,
     need_uniform: bool = False,
     response_mask: Tensor | None = None,
+    need_kernel: bool = False,
     block_rows: int | None = None,
     block_vocab: int | None = None,
 ) -> PolicyStats:
@@ -44,6 +45,8 @@ def policy_stats_from_hidden(
         weight: [V, d] LM head, the hidden states' dtype and device; bias: [V] or None.
         tokens, rollout, need_sq_norm, need_uniform, response_mask: as for ``policy_stats``.
         temperature: the sampling temperature the logits are divided by (> 0).
+        need_kernel: also sum Wᵀπ (and with a full μ, Wᵀμ and Σ sign(π − μ)·π·w) for the kernel-aware
+            ``pdm_kernel_*`` masks: one more [rows, cols] × [cols, d] product per block.
         block_rows, block_vocab: the block of logits made at once (default 1024 × 2048).
     The matmul runs in the inputs' dtype (accumulating in float32 as matmuls do) and each block is then
     reduced in float32 (float64 for float64 inputs). log π(a) is differentiable with respect to hidden,
@@ -55,7 +58,7 @@ def policy_stats_from_hidden(
     shape = tuple(hidden.shape[:-1])
     prep = prepare(tokens, rollout, response_mask, shape, weight.shape[0], head.dtype, "hidden states")
     flat = hidden.detach().reshape(-1, hidden.shape[-1])
-    acc = Accumulators.empty(prep, need_sq_norm, need_uniform)
+    acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head.weight if need_kernel else None)
     with torch.no_grad():
         bufs = head.buffers(min(head.rows, max(prep.n, 1)), need_uniform)
         for sl in head.row_blocks(prep.n):
@@ -161,11 +164,12 @@ def _block_cols(ids: Tensor, v: slice) -> Tensor:
 
 
 def _first_sweep(head: _Head, h: Tensor, sl: slice, prep: Prepared, acc: Accumulators, bufs: Buffers) -> None:
-    """lse, log π at S, π_R and Q of rows sl by an online log-sum-exp over the vocabulary blocks."""
+    """lse, log π at S, π_R, Q (and Σ_{j∉S} π_j w_j) of rows sl by an online log-sum-exp over the vocabulary blocks."""
     r = h.shape[0]
     m = torch.full((r,), -torch.inf, dtype=head.dtype, device=h.device)
     total, rest = torch.zeros_like(m), torch.zeros_like(m)
     tail_sq = torch.zeros_like(m) if acc.tail_sq is not None else None
+    head_tail = None if acc.head is None else torch.zeros(r, h.shape[1], dtype=head.dtype, device=h.device)
     set_z = torch.zeros(prep.set_ids[sl].shape, dtype=head.dtype, device=h.device)
     for v in head.vocab_blocks():
         z = head.logits(h, v, bufs)
@@ -180,8 +184,11 @@ def _first_sweep(head: _Head, h: Tensor, sl: slice, prep: Prepared, acc: Accumul
         rest = rest * scale + block_rest
         if tail_sq is not None and block_sq is not None:
             tail_sq = tail_sq * scale.square() + block_sq
+        block_head = acc.tail_product(bufs, r, width, v)
+        if head_tail is not None and block_head is not None:
+            head_tail = head_tail * scale[:, None] + block_head
         m = m_new
-    acc.finish_rows(sl, m, total, rest, tail_sq, set_z)
+    acc.finish_rows(sl, m, total, rest, tail_sq, set_z, head_tail)
 
 
 class _HiddenLogProb(torch.autograd.Function):

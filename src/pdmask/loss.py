@@ -123,12 +123,14 @@ def policy_loss(
     cu_seqlens: Tensor | None = None,
     norm_length: int | None = None,
     chunk_size: int | None = None,
+    head_weight: Tensor | None = None,
     **thresholds: float | None,
 ) -> tuple[Tensor, dict[str, float]]:
     """(loss, metrics) of the masked DPPO-form surrogate −M·sg(min(r, c))·A·log π(a), aggregated by ``agg``.
 
     logits [B, T, V] with tokens, response_mask and advantages [B, T] (advantages may be per sequence
-    [B]); or packed logits [N, V] with tokens, response_mask and advantages [N].
+    [B]); or packed logits [N, V] with tokens, response_mask and advantages [N]. ``head_weight``: the LM
+    head W [V, d] the logits came from, needed by the kernel-aware ``pdm_kernel_*`` methods.
     """
     m = get_method(method)
     if agg not in AGG_MODES:
@@ -142,6 +144,7 @@ def policy_loss(
         need_sq_norm=need_sq,
         need_uniform=m.needs_uniform,  # in the same pass: a second pass on first use would cost more
         response_mask=response_mask,
+        head_weight=head_weight,
     )
     decision = decide(m, stats, advantages, response_mask, **thresholds)
     loss = aggregate_loss(decision_loss(decision), response_mask, agg, cu_seqlens=cu_seqlens, norm_length=norm_length)

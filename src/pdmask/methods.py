@@ -11,7 +11,15 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from pdmask.estimators import ESTIMATORS, RENAMED_ESTIMATORS, SQ_NORM_ESTIMATORS, divergence, predicted_change
+from pdmask.estimators import (
+    ESTIMATORS,
+    FULL_ESTIMATORS,
+    RENAMED_ESTIMATORS,
+    SQ_NORM_ESTIMATORS,
+    divergence,
+    predicted_change,
+)
+from pdmask.kernel import KERNEL_ESTIMATORS
 from pdmask.rollout import as_bool_mask
 from pdmask.stats import PolicyStats
 
@@ -41,7 +49,7 @@ class MaskMethod:
     @property
     def needs(self) -> str:
         """The least information about μ the method needs: "binary", "topk" or "full"."""
-        if self.estimator == "full" or self.info == "full":
+        if self.estimator in FULL_ESTIMATORS or self.info == "full":
             return "full"
         if self.estimator is not None or self.info == "topk":
             return "topk"
@@ -50,6 +58,11 @@ class MaskMethod:
     @property
     def needs_sq_norm(self) -> bool:
         return self.estimator in SQ_NORM_ESTIMATORS
+
+    @property
+    def needs_head(self) -> bool:
+        """Whether the statistics must carry the LM head's sums (``head_weight=W`` / ``need_kernel=True``)."""
+        return self.estimator in KERNEL_ESTIMATORS
 
     @property
     def needs_uniform(self) -> bool:
@@ -81,6 +94,8 @@ _ESTIMATOR_WORDS = {
     "uniform": "the paper's uniform-tail G, both tails spread evenly over the ids off TopK ∪ {a}",
     "proportional": "pdmask's refinement: exact ‖π‖², μ's tail taken proportional to π's tail",
     "exactpi": "pdmask's refinement: exact π, μ's unseen tail spread evenly over the ids off TopK ∪ {a}",
+    "kernel_full": "pdmask's kernel-aware G_W = ⟨Wᵀ∇_z D, Wᵀ(e_a − π)⟩ through the LM head W, exact μ",
+    "kernel_topk": "pdmask's kernel-aware G_W through the LM head W, μ's tail proportional to π's",
 }
 
 
@@ -118,7 +133,7 @@ def _registry() -> dict[str, MaskMethod]:
                     "pdm",
                     f"PDM: drop if {_KIND_WORDS[kind]} exceeds δ and A·G > 0, {_ESTIMATOR_WORDS[estimator]}.",
                     kind=kind,
-                    info="full" if estimator == "full" else "topk",
+                    info="full" if estimator in FULL_ESTIMATORS else "topk",
                     estimator=estimator,
                     defaults=_divergence_defaults(kind),
                 )
@@ -180,6 +195,11 @@ def check_information(method: MaskMethod, stats: PolicyStats) -> None:
         raise ValueError(
             f"method {method.name!r} needs {method.needs} information about μ, which the rollout does not have: "
             f"pass RolloutLogprobs({hint})."
+        )
+    if method.needs_head and stats.head is None:
+        raise ValueError(
+            f"method {method.name!r} needs the LM head W [V, d] and so the hidden states' pass: compute the "
+            "statistics with pdmask.policy_stats(..., head_weight=W) or pdmask.policy_stats_from_hidden(..., need_kernel=True)."
         )
 
 

@@ -75,12 +75,53 @@ def aggregated_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: 
 
 def proportional_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
     """Full G against μ' = μ on S and μ'_j = π_j · μ_R / π_R off S (μ's tail made proportional to π's)."""
+    return predicted_change(z, proportional_mu(z, mu, a, topk_ids), a, kind)
+
+
+def proportional_mu(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor) -> Tensor:
+    """μ' [..., V] = μ on S = TopK ∪ {a}, π_j · μ_R / π_R off S."""
     s = set_mask(a, topk_ids, z.shape[-1])
     pi, mu = torch.softmax(z.double(), -1), mu.double()
     pi_r = torch.where(s, 0.0, pi).sum(-1, keepdim=True)
     mu_r = (1 - torch.where(s, mu, 0.0).sum(-1, keepdim=True)).clamp_min(0)
-    scale = torch.where(pi_r > 0, mu_r / pi_r, 0.0)
-    return predicted_change(z, torch.where(s, mu, pi * scale), a, kind)
+    return torch.where(s, mu, pi * torch.where(pi_r > 0, mu_r / pi_r, 0.0))
+
+
+def kernel_change(z: Tensor, mu: Tensor, a: Tensor, weight: Tensor, kind: str) -> Tensor:
+    """G_W = ⟨Wᵀ∇_z D(softmax(z), μ), Wᵀ(e_a − π)⟩ by autograd in float64; z, μ [..., V], W [V, d].
+
+    The top-K form (``kernel_topk``) is this against ``proportional_mu``.
+    """
+    z = z.detach().double().requires_grad_(True)
+    w = weight.detach().double()
+    pi = torch.softmax(z, -1)
+    (grad,) = torch.autograd.grad(DIVERGENCES[kind](pi, mu.double()).sum(), z)
+    u = torch.nn.functional.one_hot(a, z.shape[-1]).double() - pi.detach()
+    return ((grad @ w) * (u @ w)).sum(-1)
+
+
+def kernel_finite_difference(h: Tensor, weight: Tensor, mu: Tensor, a: Tensor, kind: str, eps: float = 1e-6) -> Tensor:
+    """Central difference of D(softmax(W(h + εv)), μ) in ε, v = Wᵀ(e_a − π): the ground truth for G_W
+    (the hidden state moved along the token's own gradient ∇_h log π_a); h [..., d], W [V, d]."""
+    h, w, mu = h.double(), weight.double(), mu.double()
+    v = (torch.nn.functional.one_hot(a, w.shape[0]).double() - torch.softmax(h @ w.T, -1)) @ w
+    d = DIVERGENCES[kind]
+    return (d(torch.softmax((h + eps * v) @ w.T, -1), mu) - d(torch.softmax((h - eps * v) @ w.T, -1), mu)) / (2 * eps)
+
+
+def own_step_change(h: Tensor, weight: Tensor, mu: Tensor, a: Tensor, kind: str) -> Tensor:
+    """⟨∇_θ D, ∇_θ log π_a⟩ for θ = (h, W) with logits W h, one position at a time, by autograd in float64:
+    the first-order change of D under the token's own plain gradient step when the backbone's kernel
+    in hidden space is the identity (h a free parameter). It equals ‖h‖²·G + G_W; h [n, d], W [V, d]."""
+    out = []
+    for i in range(h.shape[0]):
+        hi = h[i].detach().double().requires_grad_(True)
+        w = weight.detach().double().requires_grad_(True)
+        logp = torch.log_softmax(w @ hi, -1)
+        dl = torch.autograd.grad(logp[a[i]], (hi, w), retain_graph=True)
+        dd = torch.autograd.grad(DIVERGENCES[kind](logp.exp(), mu[i].double()), (hi, w))
+        out.append(sum((x * y).sum() for x, y in zip(dl, dd, strict=True)))
+    return torch.stack(out)
 
 
 def exactpi_change(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor, kind: str) -> Tensor:
@@ -113,9 +154,13 @@ __all__ = [
     "binary_divergence",
     "exactpi_change",
     "finite_difference",
+    "kernel_change",
+    "kernel_finite_difference",
     "kl",
+    "own_step_change",
     "predicted_change",
     "proportional_change",
+    "proportional_mu",
     "topk_divergence",
     "tv",
     "uniform_change",

@@ -26,6 +26,7 @@ from pdmask.vocab_pass import (
     prepare,
     rest_of,
     set_columns,
+    set_rows_dot,
     shifted_sums,
     tail_count,
     uniform_pass,
@@ -41,6 +42,17 @@ class FullReductions:
     mu_dot_pi: Tensor  # ⟨μ, π⟩
     sign_pi: Tensor  # Σ s_i π_i,   s_i = sign(π_i − μ_i)
     sign_pi2: Tensor  # Σ s_i π_i²
+
+
+@dataclass
+class HeadMeans:
+    """Sums over the unembedding's rows w_j for the kernel-aware direction (``pdmask.kernel``), each [..., d]."""
+
+    weight: Tensor  # W [V, d] (detached), the LM head: logits = (h Wᵀ + b) / temperature
+    pi: Tensor  # Wᵀπ = Σ_j π_j w_j
+    tail: Tensor  # Σ_{j∉S} π_j w_j, summed in the pass (not Wᵀπ minus S's part, which cancels)
+    mu: Tensor | None = None  # Wᵀμ (full μ)
+    sign_pi: Tensor | None = None  # Σ_j s_j π_j w_j, s_j = sign(π_j − μ_j) (full μ)
 
 
 @dataclass
@@ -70,6 +82,7 @@ class PolicyStats:
     #: filled by the pass when asked for, else on first use by ``uniform_pass`` (a second pass).
     uniform_sums: Tensor | None = None
     uniform_pass: Callable[[], Tensor] | None = field(default=None, repr=False, compare=False)
+    head: HeadMeans | None = field(default=None, repr=False)  # with the unembedding W (kernel-aware masks)
 
     @property
     def pi_a(self) -> Tensor:
@@ -129,6 +142,7 @@ def policy_stats(
     need_sq_norm: bool = True,
     need_uniform: bool = False,
     response_mask: Tensor | None = None,
+    head_weight: Tensor | None = None,
 ) -> PolicyStats:
     """Statistics of π = softmax(logits) at the sampled tokens, in one chunked pass.
 
@@ -143,6 +157,8 @@ def policy_stats(
             TV); otherwise a second pass over the retained logits computes them if they are ever used.
         response_mask: [...] 0/1; positions outside it may hold any padding in ``tokens`` and ``rollout``
             (they are replaced by a neutral token before validation; their statistics are meaningless).
+        head_weight: the LM head W [V, d] the logits came from (logits = (h Wᵀ + b)/T); given, the pass
+            also sums Wᵀπ (and Wᵀμ, Σ sign(π − μ)·π·w with a full μ) for the kernel-aware ``pdm_kernel_*`` masks.
     """
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V].")
@@ -153,7 +169,8 @@ def policy_stats(
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
     rows = chunk_size or default_chunk(logits, dtype, 3 if need_uniform else 2)
-    acc = Accumulators.empty(prep, need_sq_norm, need_uniform)
+    check_head_weight(head_weight, logits.shape[-1], logits.device)
+    acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head_weight)
     source = logits.detach()
     flat_u = prep.flat_even_mu
     with torch.no_grad():
@@ -161,7 +178,7 @@ def policy_stats(
         for sl, z, set_cols, _ in logit_blocks(source, rows, prep.set_ids, bufs):
             m = z.amax(-1)
             sums = shifted_sums(z, m, set_cols, bufs, acc.tail_sq is not None)
-            acc.finish_rows(sl, m, *sums, z.gather(-1, set_cols))
+            acc.finish_rows(sl, m, *sums, z.gather(-1, set_cols), acc.tail_product(bufs, *z.shape))
             acc.add_normalised(sl, z, bufs, set_cols, flat_u, prep.full_logp)
     acc.check_finite("logits")
     logp = GatherLogProb.apply(logits, prep.flat_tokens, acc.lse, rows)
@@ -247,7 +264,23 @@ def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
         stats.sq_norm = stats.set_pi.square().sum(-1) + stats.tail_sq
     if acc.full is not None:
         stats.full = FullReductions(*(r.reshape(shape) for r in acc.full))
+    if acc.head is not None:
+        h = acc.head
+        pi = h.tail + set_rows_dot(h.weight, prep.set_ids, stats.set_pi.reshape(prep.set_ids.shape))
+        at = lambda x: None if x is None else x.reshape(shape + (-1,))
+        stats.head = HeadMeans(h.weight, pi.reshape(shape + (-1,)), at(h.tail), at(h.mu), at(h.sign_pi))
     return stats
 
 
-__all__ = ["FullReductions", "PolicyStats", "policy_stats", "stats_from_set"]
+def check_head_weight(weight: Tensor | None, vocab: int, device: torch.device) -> None:
+    """Raises unless ``weight`` is None or the [V, d] floating-point LM head of a V-token vocabulary on ``device``."""
+    if weight is None:
+        return
+    if not isinstance(weight, Tensor) or not weight.is_floating_point() or weight.dim() != 2 or weight.shape[0] != vocab:
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"head_weight must be the LM head's floating-point [V, d] weight with V = {vocab}, got {shape}.")
+    if weight.device != device:
+        raise ValueError(f"head_weight is on {weight.device} but the logits are on {device}; put them on one device.")
+
+
+__all__ = ["FullReductions", "HeadMeans", "PolicyStats", "policy_stats", "stats_from_set"]

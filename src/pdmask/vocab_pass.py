@@ -140,6 +140,20 @@ class Buffers:
 
 
 @dataclass
+class HeadSums:
+    """Sums over the unembedding's rows w_j (W [V, d]) for the kernel-aware direction, each flat [n, d]."""
+
+    weight: Tensor  # W [V, d], detached
+    tail: Tensor  # Σ_{j∉S} π_j w_j
+    mu: Tensor | None  # Σ_j μ_j w_j (full μ)
+    sign_pi: Tensor | None  # Σ_j s_j π_j w_j, s_j = sign(π_j − μ_j) (full μ)
+
+    def block(self, vocab: slice, dtype: torch.dtype) -> Tensor:
+        """The rows W[vocab] [c, d] in the compute dtype."""
+        return self.weight[vocab].to(dtype)
+
+
+@dataclass
 class Accumulators:
     """Flat [n] (or [k, n]) results of a pass."""
 
@@ -149,20 +163,28 @@ class Accumulators:
     tail_sq: Tensor | None
     full: Tensor | None  # [5, n]
     uniform: Tensor | None  # [2, n]
+    head: HeadSums | None = None
 
     @staticmethod
-    def empty(prep: Prepared, need_sq_norm: bool, need_uniform: bool) -> Accumulators:
+    def empty(prep: Prepared, need_sq_norm: bool, need_uniform: bool, head_weight: Tensor | None = None) -> Accumulators:
         def zeros(*size: int) -> Tensor:
             return torch.zeros(*size, dtype=prep.set_mu.dtype, device=prep.tokens.device)
 
+        head = None
+        if head_weight is not None:
+            d, full = head_weight.shape[1], prep.full_logp is not None
+            head = HeadSums(head_weight.detach(), zeros(prep.n, d), zeros(prep.n, d) if full else None,
+                            zeros(prep.n, d) if full else None)  # fmt: skip
         return Accumulators(
             zeros(prep.n), zeros(*prep.set_ids.shape), zeros(prep.n), zeros(prep.n) if need_sq_norm else None,
             None if prep.full_logp is None else zeros(5, prep.n),
             zeros(2, prep.n) if need_uniform and prep.rollout.topk_ids is not None else None,
+            head,
         )
 
     def finish_rows(
-        self, sl: slice, m: Tensor, total: Tensor, rest: Tensor, tail_sq: Tensor | None, set_z: Tensor
+        self, sl: slice, m: Tensor, total: Tensor, rest: Tensor, tail_sq: Tensor | None, set_z: Tensor,
+        head_tail: Tensor | None = None,
     ) -> None:
         """Stores rows ``sl`` from their sums relative to the shift m: e.g. lse = m + log Σ exp(z − m)."""
         self.lse[sl] = m + total.log()
@@ -170,6 +192,15 @@ class Accumulators:
         self.rest[sl] = rest / total
         if self.tail_sq is not None and tail_sq is not None:
             self.tail_sq[sl] = tail_sq / total.square()
+        if self.head is not None and head_tail is not None:
+            self.head.tail[sl] = head_tail / total[:, None]
+
+    def tail_product(self, bufs: Buffers, r: int, c: int, vocab: slice = slice(None)) -> Tensor | None:
+        """Σ_{j∉S} e_j w_j [r, d] of the block whose tail e [r, c] ``shifted_sums`` left in ``bufs``
+        (None without a head)."""
+        if self.head is None:
+            return None
+        return Buffers.block(bufs.exp, r, c) @ self.head.block(vocab, bufs.exp.dtype)
 
     def add_normalised(
         self, sl: slice, z: Tensor, bufs: Buffers, set_cols: Tensor, flat_u: Tensor, full_logp: Tensor | None,
@@ -181,9 +212,13 @@ class Accumulators:
         logq = None if self.full is None or full_logp is None else full_logp[sl, vocab]
         if u is None and logq is None:
             return
-        full, uniform = normalised_sums(z, self.lse[sl], set_cols, bufs, u, logq)
+        rows = None if self.head is None or logq is None else self.head.block(vocab, z.dtype)
+        full, uniform, head = normalised_sums(z, self.lse[sl], set_cols, bufs, u, logq, rows)
         if full is not None and self.full is not None:
             self.full[:, sl] += full
+        if head is not None and self.head is not None and self.head.mu is not None and self.head.sign_pi is not None:
+            self.head.mu[sl] += head[0]
+            self.head.sign_pi[sl] += head[1]
         if uniform is not None and self.uniform is not None:
             self.uniform[:, sl] += uniform
 
@@ -215,20 +250,22 @@ def shifted_sums(
 
 
 def normalised_sums(
-    z: Tensor, lse: Tensor, set_cols: Tensor, bufs: Buffers, u: Tensor | None, logq: Tensor | None
-) -> tuple[Tensor | None, Tensor | None]:
+    z: Tensor, lse: Tensor, set_cols: Tensor, bufs: Buffers, u: Tensor | None, logq: Tensor | None,
+    rows: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None]:
     """For one block z [r, c] with the rows' final lse and p = exp(z − lse): the full-μ reductions [5, r]
-    against log μ = logq [r, c] (if given), and Σ_{j∉S} s_j p_j, Σ_{j∉S} s_j p_j² [2, r] with
-    s_j = sign(p_j − u) (if u [r] is given). set_cols as in ``shifted_sums``."""
+    against log μ = logq [r, c] (if given), Σ_{j∉S} s_j p_j, Σ_{j∉S} s_j p_j² [2, r] with
+    s_j = sign(p_j − u) (if u [r] is given), and with the block's unembedding rows [c, d] (and logq)
+    Σ_j μ_j w_j and Σ_j sign(p_j − μ_j) p_j w_j [r, d]. set_cols as in ``shifted_sums``."""
     r, c = z.shape
     p = torch.sub(z, lse[:, None], out=Buffers.block(bufs.exp, r, c)).exp_()
-    full = None if logq is None else _full_reductions(z, p, lse, logq.to(z.dtype))
+    full, head = (None, None) if logq is None else _full_reductions(z, p, lse, logq.to(z.dtype), rows)
     if u is None:
-        return full, None
+        return full, None, head
     assert bufs.sign is not None
     Buffers.zero_at(bufs.exp, set_cols, r, c)
     sp = torch.sub(p, u[:, None], out=Buffers.block(bufs.sign, r, c)).sign_().mul_(p)
-    return full, torch.stack([sp.sum(-1), torch.linalg.vecdot(sp, p)])
+    return full, torch.stack([sp.sum(-1), torch.linalg.vecdot(sp, p)]), head
 
 
 def uniform_pass(prep: Prepared, acc: Accumulators, bufs: Buffers, blocks: Iterable[Block]) -> Tensor:
@@ -241,15 +278,36 @@ def uniform_pass(prep: Prepared, acc: Accumulators, bufs: Buffers, blocks: Itera
     return only.uniform.reshape((2,) + prep.shape)
 
 
-def _full_reductions(z: Tensor, p: Tensor, lse: Tensor, logq: Tensor) -> Tensor:
-    """[5, n] = (TV, KL(μ‖π), ⟨μ,π⟩, Σ sπ, Σ sπ²) for one block; p = softmax(z) there, logq = log μ."""
+def _full_reductions(
+    z: Tensor, p: Tensor, lse: Tensor, logq: Tensor, rows: Tensor | None
+) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    """[5, n] = (TV, KL(μ‖π), ⟨μ,π⟩, Σ sπ, Σ sπ²) for one block, p = softmax(z) there, logq = log μ;
+    with the block's unembedding rows [c, d] also (Σ μ_j w_j, Σ s_j π_j w_j) [n, d]."""
     q = logq.exp()
     diff = p - q
     tv = 0.5 * diff.abs().sum(-1)
     s = diff.sign_()
     kl_terms = torch.where(q > 0, q * (logq - (z - lse[:, None])), 0.0)
     sp = s.mul_(p)
-    return torch.stack([tv, kl_terms.sum(-1), (q * p).sum(-1), sp.sum(-1), torch.linalg.vecdot(sp, p)])
+    sums = torch.stack([tv, kl_terms.sum(-1), (q * p).sum(-1), sp.sum(-1), torch.linalg.vecdot(sp, p)])
+    return sums, None if rows is None else (q @ rows, sp @ rows)
+
+
+#: Elements of the [rows, C, d] gather of unembedding rows at S made at once.
+GATHER_ELEMENTS = 1 << 22
+
+
+def set_rows_dot(weight: Tensor, set_ids: Tensor, coef: Tensor) -> Tensor:
+    """Σ_c coef[n, c] · W[set_ids[n, c]] [n, d] for W [V, d], ids and coef [n, C]; the rows are gathered
+    a slice of positions at a time (at most ``GATHER_ELEMENTS`` elements)."""
+    n, width = set_ids.shape
+    d = weight.shape[1]
+    out = torch.empty(n, d, dtype=coef.dtype, device=coef.device)
+    step = max(1, GATHER_ELEMENTS // max(width * d, 1))
+    for start in range(0, n, step):
+        sl = slice(start, min(start + step, n))
+        out[sl] = torch.einsum("nc,ncd->nd", coef[sl], weight[set_ids[sl]].to(coef.dtype))
+    return out
 
 
 def default_chunk(logits: Tensor, dtype: torch.dtype, temporaries: int) -> int:
@@ -319,7 +377,9 @@ __all__ = [
     "Accumulators",
     "Block",
     "Buffers",
+    "GATHER_ELEMENTS",
     "GatherLogProb",
+    "HeadSums",
     "Prepared",
     "default_chunk",
     "even_mu",
@@ -328,6 +388,7 @@ __all__ = [
     "prepare",
     "rest_of",
     "set_columns",
+    "set_rows_dot",
     "shifted_sums",
     "tail_count",
     "uniform_pass",

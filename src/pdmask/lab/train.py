@@ -173,6 +173,8 @@ class Run:
         if cfg.top_k > V:
             raise ConfigError(f"top_k: K = {cfg.top_k} is larger than the vocabulary ({V})")
         self.method = METHODS[cfg.method]
+        # The kernel-aware masks read the LM head W [V, d] (logits = h Wᵀ); the others never need it.
+        self.head_weight = self.policy.lm_head.weight if self.method.needs_head else None
         self.dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.dir / "config.json", jsonio.dumps(cfg.to_dict(), indent=2))
         if not is_pretrained(cfg.model) and cfg.sft_steps > 0 and not self.checkpoint_path.exists():
@@ -297,7 +299,7 @@ class Run:
                 # One pass gives the loss, its metrics and the tail metrics (which compare the top-K estimators).
                 stats = pdmask.policy_stats(
                     logits, mb.tokens, _select(mu, idx), need_sq_norm=True, need_uniform=tail_kind(cfg) == "tv",
-                    response_mask=mb.response_mask,
+                    response_mask=mb.response_mask, head_weight=self.head_weight,
                 )  # fmt: skip
                 decision = pdmask.decide(self.method, stats, advantages[idx], mb.response_mask, **cfg.thresholds())
                 loss = pdmask.aggregate_loss(pdmask.decision_loss(decision), mb.response_mask, cfg.agg)

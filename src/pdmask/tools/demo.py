@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"{tokens.numel()} tokens, V = {args.vocab}, K = {args.k}, logit drift {args.drift}")
     for col in ("method", "dropped", "dropped A>0", "dropped A<0", "D mean", "D p90", "beyond δ", "dir. disagree"):
         table.add_column(col, justify="right" if col != "method" else "left")
-    for name in METHODS:
+    for name in (n for n, method in METHODS.items() if not method.needs_head):  # synthetic logits have no LM head
         _, m = policy_loss(name, z, tokens, rollout, adv, mask)
         table.add_row(
             name, *(f"{100 * m[k]:.1f}%" for k in ("mask/dropped_frac", "mask/dropped_frac_pos", "mask/dropped_frac_neg")),

@@ -198,9 +198,9 @@ class PDMTrainer(GRPOTrainer):
         if needs != "binary":
             # The hidden state before each completion token is the one that predicts it.
             hidden = torch.cat([h[:, -logits_to_keep - 1 : -1] for h in caught["hidden"]])
-        if needs == "full" or self.mask_method.needs_uniform:
-            # The uniform tail's sums and full μ need every logit: read them from the hidden states in
-            # blocks, so no [B, T, V] logits are held (log π(a) stays TRL's own, with its gradient).
+        if needs == "full" or self.mask_method.needs_uniform or self.mask_method.needs_head:
+            # The uniform tail's sums, full μ and the kernel-aware sums need every logit: read them from the
+            # hidden states in blocks, so no [B, T, V] logits are held (log π(a) stays TRL's own, with its gradient).
             with torch.no_grad(), head_weights(head) as (weight, bias):
                 stats = policy_stats_from_hidden(
                     hidden.float(),
@@ -211,6 +211,7 @@ class PDMTrainer(GRPOTrainer):
                     temperature=self.temperature,
                     need_uniform=self.mask_method.needs_uniform,
                     response_mask=valid,
+                    need_kernel=self.mask_method.needs_head,
                 )
             return replace(stats, logp=logp)
         if needs == "topk":

@@ -12,6 +12,7 @@ loss ``pdmask_<method>`` takes these statistics and verl's log π(a) with its gr
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -36,7 +37,9 @@ TOPK_LOGP = "rollout_topk_log_probs"
 #: The non-tensor flag that makes verl's engine call the loss function as a logits processor.
 PROCESSOR_FLAG = "distillation_use_topk"
 #: Methods run by ``PDMLoss``: those that need μ's top-K (full μ has no rollout engine to come from).
-TOPK_METHODS = tuple(name for name, m in METHODS.items() if m.needs == "topk")
+TOPK_METHODS = tuple(name for name, m in METHODS.items() if m.needs == "topk" and not m.needs_head)
+#: The kernel-aware methods need the final hidden states and the LM head, which verl's loss never sees.
+HEAD_METHODS = tuple(name for name, m in METHODS.items() if m.needs_head)
 #: Prefix of the per-token outputs the processor hands back through verl's model output.
 _OUT = "pdmask_stat/"
 #: PolicyStats fields laid out [2, ...] rather than [..., C].
@@ -83,6 +86,8 @@ class PDMLoss:
     def __init__(self, config: Any, top_k: int | None = None) -> None:
         mode = config.policy_loss.get("loss_mode", "vanilla")
         method = method_of(mode)
+        if method is not None and method.needs_head:
+            _no_head(method)
         if method is None or method.name not in TOPK_METHODS:
             raise ValueError(
                 f"PDMLoss runs the top-K methods; actor.policy_loss.loss_mode is {mode!r}. Set it to one of "
@@ -246,13 +251,24 @@ def _stats_under_pdm_loss(method: MaskMethod) -> Callable[[Tensor, Tensor, Tenso
     return stats_of
 
 
+def _no_head(method: MaskMethod, *_: Tensor) -> PolicyStats:
+    raise ValueError(
+        f"{loss_name(method)} needs the final hidden states and the LM head, which verl's policy loss does not "
+        "see (it gets logits): use it through pdmask's TRL trainer or the lab, or pick a top-K method such as "
+        "pdmask_pdm_proportional_kl."
+    )
+
+
 for _name in TOPK_METHODS:
     register(METHODS[_name], _stats_under_pdm_loss(METHODS[_name]), " (top-K, under PDMLoss)")
+for _name in HEAD_METHODS:  # registered so that choosing one gives the reason, not "unknown loss mode"
+    register(METHODS[_name], functools.partial(_no_head, METHODS[_name]), " (not available in verl)")
 
 __all__ = [
     "PDMLoss",
     "TOPK_IDS",
     "TOPK_LOGP",
+    "HEAD_METHODS",
     "TOPK_METHODS",
     "enable_topk_forward",
     "rollout_from_batch",
