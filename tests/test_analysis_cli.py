@@ -40,7 +40,7 @@ def test_smoke_preset_writes_the_report(smoke) -> None:
     for kind in ("tv", "kl"):
         head = data["agreement"][kind]["head"]["pdm_full"]["all"]
         assert head["n"] > 0 and head["k"] == head["n"]  # method.md check 5 on the real model
-        assert set(data["topk_tracking"][kind]) >= {"aggregated@1", "uniform@1", "proportional@20", "gw_proportional@20"}
+        assert set(data["topk_tracking"][kind]) >= {"aggregated@1", "uniform@1", "proportional@20", "kernel_topk@20"}
         # Check 5 for the mask: against the output layer alone, pdm_full never keeps unsafely nor drops in vain.
         view = data["mask_view"][f"pdm_full_{kind}"]["head"]
         assert view["unsafe_keep"]["k"] == 0 and view["wasted_drop"]["k"] == 0
@@ -70,3 +70,19 @@ def test_smoke_writes_strict_json_only(smoke) -> None:
 def test_bad_settings_fail_cleanly(tmp_path, monkeypatch, flags) -> None:
     monkeypatch.setenv("PDMASK_CACHE", str(tmp_path / "cache"))
     assert main(["analyze", "--preset", "smoke", "--out", str(tmp_path / "o"), *flags]) == 2
+
+
+def test_a_rerun_continues_after_the_finished_rounds(smoke) -> None:
+    """Rounds are written as they finish: a rerun loads them, runs only the missing ones, refuses other settings."""
+    root, _ = smoke
+    out = root / "analyze"
+    first = out / "rounds" / "round_00000.pt"
+    stamp = first.stat().st_mtime_ns
+    before = json.loads((out / "analysis.json").read_text())["counts"]["tv"]["tokens"]
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(None):
+        mp.setenv("PDMASK_CACHE", str(root / "cache"))
+        assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "2"]) == 0
+        assert main(["analyze", "--preset", "smoke", "--out", str(out), "--lr", "0.5"]) == 2
+    assert first.stat().st_mtime_ns == stamp  # loaded, not recomputed
+    assert (out / "rounds" / "round_00001.pt").exists()
+    assert json.loads((out / "analysis.json").read_text())["counts"]["tv"]["tokens"] > before

@@ -62,8 +62,11 @@ def test_clustering_widens_the_interval() -> None:
 def test_decisions_follow_method_md_for_every_direction_method() -> None:
     """drop = D > δ and A·direction > 0 (D from the method's own information), A = 0 always kept."""
     z, logmu, a, top_ids, top_logp = make_case(64, 40, 5, seed=3, drift=1.5)
-    stats = policy_stats(z, a, RolloutLogprobs(logmu.gather(-1, a[:, None]).squeeze(-1), top_ids, top_logp, logmu))
     g = torch.Generator().manual_seed(1)
+    # The kernel-aware masks read the LM head's sums: any W [V, d] exercises their decision rule.
+    head = torch.randn(z.shape[-1], 6, generator=g, dtype=z.dtype)
+    rollout = RolloutLogprobs(logmu.gather(-1, a[:, None]).squeeze(-1), top_ids, top_logp, logmu)
+    stats = policy_stats(z, a, rollout, head_weight=head)
     adv = torch.randn(64, generator=g, dtype=torch.float64)
     adv[::7] = 0.0
     delta = {"tv": 0.1, "kl": 0.05}

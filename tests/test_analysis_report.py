@@ -33,15 +33,18 @@ def _results(m: int = 40) -> TokenResults:
     adv = torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0).double()
     ratio = torch.randn(m, generator=g, dtype=torch.float64)
     pdm = ratio.clone()
-    pdm[:5] = -pdm[:5]  # PDM full and the ratio sign disagree on the first five tokens
+    pdm[30:35] = -pdm[30:35]  # PDM full and the ratio sign disagree on five tokens beyond δ
     sampled = torch.zeros(m, dtype=torch.bool)
-    sampled[10:30] = True
+    sampled[:20] = True  # the uniform sample of all tokens
+    beyond_sampled = torch.zeros(m, dtype=torch.bool)
+    beyond_sampled[20:30] = True  # the uniform sample of the tokens beyond δ
     targeted = torch.zeros(m, dtype=torch.bool)
-    targeted[:5] = True
-    measured = sampled | targeted
+    targeted[30:35] = True
+    measured = sampled | beyond_sampled | targeted
     own = torch.where(measured, pdm, torch.nan)  # the truth follows PDM wherever it is measured
     truths = {name: own.clone() for name in TRUTHS}
     truths["step_adam"] = ratio.clone()  # measured everywhere
+    truths["step_sgd"] = ratio.clone()
     signals = {"ratio": ratio, "pdm_full": pdm}
     # Two direction masks set by hand: every token from 10 on is beyond δ; one keeps all, one drops all.
     beyond = torch.arange(m) >= 10
@@ -54,34 +57,40 @@ def _results(m: int = 40) -> TokenResults:
         pi_a=torch.linspace(0.01, 0.99, m, dtype=torch.float64),
         mu_a=torch.full((m,), 0.5, dtype=torch.float64),
         div={k: torch.linspace(0, 0.3, m, dtype=torch.float64) for k in ("tv", "kl")},
-        beyond={k: torch.linspace(0, 0.3, m, dtype=torch.float64) > d for k, d in (("tv", 0.15), ("kl", 0.05))},
-        raw_g={k: {"full": pdm / adv, "aggregated@1": -pdm / adv, "gw_full": ratio, "gw_proportional@1": ratio} for k in ("tv", "kl")},
+        beyond={k: beyond.clone() for k in ("tv", "kl")},
+        raw_g={k: {"full": pdm / adv, "aggregated@1": -pdm / adv, "kernel_full": ratio, "kernel_topk@1": ratio}
+               for k in ("tv", "kl")},
         signals={k: dict(signals) for k in ("tv", "kl")},
         truth={k: {n: t.clone() for n, t in truths.items()} for k in ("tv", "kl")},
         sampled=sampled,
-        targeted=targeted,
+        beyond_sampled=beyond_sampled,
+        targeted={k: targeted.clone() for k in ("tv", "kl")},
+        disagree_sampled={k: targeted.clone() for k in ("tv", "kl")},
         row=torch.arange(m) // 2,
         masks=masks,
     )
 
 
-def test_summarize_uses_uniform_sample_for_all_and_every_measured_disagreement() -> None:
+def test_summarize_uses_uniform_samples_and_every_disagreement_beyond_delta() -> None:
     summary = summarize(_results(), {"tv": 0.15, "kl": 0.05})
     own = summary["agreement"]["tv"]["own_sgd"]
-    # "all" covers only the uniform sample (20 tokens), not the 5 targeted ones.
+    # "all" covers only the uniform sample of all tokens (20), not the beyond-δ sample nor the targeted ones.
     assert own["pdm_full"]["all"]["n"] == 20
     assert own["pdm_full"]["all"]["rate"] == 1.0
-    # The disagreement subset covers every measured disagreement: PDM right, ratio wrong.
-    assert own["pdm_full"]["differs_from_ratio"]["n"] == 5
-    assert own["pdm_full"]["differs_from_ratio"]["rate"] == 1.0
-    assert own["ratio"]["differs_from_ratio"]["rate"] == 0.0
+    # "beyond δ" covers the uniform beyond-δ sample (10 tokens) and the sample's tokens beyond δ (10..19).
+    assert own["pdm_full"]["beyond_delta"]["n"] == 10
+    # The disagreement subset covers every disagreement beyond δ: PDM right, ratio wrong.
+    assert own["pdm_full"]["differs_beyond_delta"]["n"] == 5
+    assert own["pdm_full"]["differs_beyond_delta"]["rate"] == 1.0
+    assert own["ratio"]["differs_beyond_delta"]["rate"] == 0.0
     # A truth measured everywhere is rated over every token.
     assert summary["agreement"]["tv"]["step_adam"]["ratio"]["all"]["n"] == 40
     by_pi = own["pdm_full"]["by_pi_a"]
     assert sum(c["n"] for c in by_pi.values()) == 20
     tracking = summary["topk_tracking"]["tv"]
     assert tracking["aggregated@1"]["sign_match"] == 0.0 and tracking["aggregated@1"]["corr"] == pytest.approx(-1.0)
-    assert tracking["gw_proportional@1"]["sign_match"] == 1.0
+    assert tracking["kernel_topk@1"]["sign_match"] == 1.0  # measured against kernel_full, not full
+    assert summary["counts"]["tv"]["differs_beyond_delta"] == 5
     lines = verdict(summary)
     assert any("PDM is right more often than the ratio sign" in line for line in lines)
     assert any("check 5 (output layer alone) holds" in line for line in lines)
@@ -100,13 +109,24 @@ def test_mask_view_counts_the_uniform_sample_beyond_delta() -> None:
     summary = summarize(res, {"tv": 0.15, "kl": 0.05})
     view = summary["mask_view"]
     assert set(view) == {"dppo_topk_tv", "pdm_proportional_tv"}
-    # Beyond δ and sampled: tokens 10..29 (20 tokens); the own truth there is `pdm`.
-    raises = int((res.signals["tv"]["pdm_full"][10:30] > 0).sum())
+    # Own truths: the beyond-δ sample, tokens 20..29 (10 tokens); the own truth there is `pdm`.
+    raises = int((res.signals["tv"]["pdm_full"][20:30] > 0).sum())
     keep_all, drop_all = view["dppo_topk_tv"]["own_sgd"], view["pdm_proportional_tv"]["own_sgd"]
-    assert (keep_all["unsafe_keep"]["k"], keep_all["unsafe_keep"]["n"]) == (raises, 20)
+    assert (keep_all["unsafe_keep"]["k"], keep_all["unsafe_keep"]["n"]) == (raises, 10)
     assert keep_all["wasted_drop"]["n"] == 0 and keep_all["wasted_drop"]["rate"] is None
-    assert (drop_all["wasted_drop"]["k"], drop_all["wasted_drop"]["n"]) == (20 - raises, 20)
+    assert (drop_all["wasted_drop"]["k"], drop_all["wasted_drop"]["n"]) == (10 - raises, 10)
     assert drop_all["unsafe_keep"]["n"] == 0
+    # The real step's truth is measured everywhere: every token beyond δ (10..39) counts.
+    assert view["dppo_topk_tv"]["step_adam"]["unsafe_keep"]["n"] == 30
+    # Paired: the two masks differ on all 30 tokens beyond δ; the predictive one drops them all, so it is
+    # right exactly where the truth raises D.
+    paired = view["pdm_proportional_tv"]["paired"]
+    assert paired["counterpart"] == "dppo_topk_tv" and paired["differ"] == 30
+    # `proportional` is not one of the paper's estimators: its paired rates use the uniform sample of the
+    # disagreements (tokens 30..34 here), not the other tokens that happen to have truth.
+    measured = slice(30, 35)
+    assert paired["own_sgd"]["n"] == 5
+    assert paired["own_sgd"]["k"] == int((res.truth["tv"]["own_sgd"][measured] > 0).sum())
     # How often each mask acts counts every token, not only the sample.
     assert view["pdm_proportional_tv"]["beyond_delta"] == 30 and view["pdm_proportional_tv"]["dropped"] == 30
     assert view["dppo_topk_tv"]["dropped"] == 0 and view["dppo_topk_tv"]["drop_share"] == 0.0

@@ -1,4 +1,7 @@
-"""Ground truth of the analysis: autograd vs finite differences, check 5, and G_W vs a float64 reference."""
+"""Ground truth of the analysis: autograd vs finite differences, the per-token path, and check 5.
+
+The kernel-aware G_W the analysis reads from the core is tested against float64 references in test_kernel.py.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import torch
 from torch import nn
 
 from pdmask import RolloutLogprobs, policy_stats, predicted_change
-from pdmask.analysis.kernel import kernel_change
 from pdmask.analysis.truth import (
     adam_preconditioner,
     full_divergence,
@@ -93,6 +95,20 @@ def test_own_change_matches_finite_difference(kind: str) -> None:
             assert truth[(kind, name)][i].item() == pytest.approx(fd, rel=1e-5, abs=1e-10)
 
 
+def test_own_change_per_token_path_matches_the_batched_one_and_measures_only_what_is_asked() -> None:
+    """Large models take one backward pass per token and needed kind: same numbers, NaN where not asked."""
+    model, ids, positions, mu_logp, adv = _setup(2)
+    params = list(model.parameters())
+    precond = {"sgd": None, "adam": [torch.rand_like(p) + 0.5 for p in params]}
+    batched = own_change(_forward(model), params, ids, positions, mu_logp, adv, precond)
+    need = torch.tensor([[True, True], [False, True], [True, False]])
+    per_token = own_change(_forward(model), params, ids, positions, mu_logp, adv, precond, batch_elems=1, need=need)
+    for (kind, name), value in per_token.items():
+        j = ("tv", "kl").index(kind)
+        torch.testing.assert_close(value[need[:, j]], batched[(kind, name)][need[:, j]], rtol=1e-9, atol=1e-14)
+        assert value[~need[:, j]].isnan().all()
+
+
 @pytest.mark.parametrize("kind", ["tv", "kl"])
 def test_head_change_is_output_layer_autograd(kind: str) -> None:
     model, ids, positions, mu_logp, adv = _setup(1)
@@ -123,68 +139,6 @@ def test_check5_output_layer_sign_equals_pdm_full(kind: str, seed: int) -> None:
     # The magnitude, too: the logits move by (‖h‖² + 1)/T² · (e_a − π).
     scale = (h.square().sum(-1) + 1) / TEMP**2
     torch.testing.assert_close(truth, adv * scale * g_full.double(), rtol=1e-6, atol=1e-12)
-
-
-def _reference_kernel(z: Tensor, tokens: Tensor, mu: Tensor, w: Tensor, kind: str) -> Tensor:
-    """G_W in float64 by autograd: ∇_z D of the exact divergence against μ, then ⟨Wᵀ∇_z D, Wᵀ(e_a − π)⟩."""
-    z = z.double().clone().requires_grad_(True)
-    d = full_divergence(z, mu.log(), kind).sum()
-    (grad_z,) = torch.autograd.grad(d, z)
-    u = torch.nn.functional.one_hot(tokens, z.shape[-1]).double() - z.detach().softmax(-1)
-    return ((grad_z @ w) * (u @ w)).sum(-1)
-
-
-def _random_case(seed: int, n: int = 16, vocab: int = 40, d: int = 6):
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 2
-    mu_logp = torch.log_softmax(z + torch.randn(n, vocab, generator=g, dtype=torch.float64), -1)
-    tokens = torch.randint(0, vocab, (n,), generator=g)
-    # Half of the sampled tokens are μ's most likely one, so a lies in the top-K there.
-    top1 = mu_logp.argmax(-1)
-    tokens = torch.where(torch.arange(n) % 2 == 0, top1, tokens)
-    w = torch.randn(vocab, d, generator=g, dtype=torch.float64)
-    return z, tokens, mu_logp, w
-
-
-@pytest.mark.parametrize("kind", ["tv", "kl"])
-def test_kernel_full_matches_reference(kind: str) -> None:
-    z, tokens, mu_logp, w = _random_case(0)
-    rollout = RolloutLogprobs(mu_logp.gather(-1, tokens[:, None]).squeeze(-1), full_logp=mu_logp)
-    got = kernel_change(z, tokens, rollout, w, kind, "full")
-    torch.testing.assert_close(got, _reference_kernel(z, tokens, mu_logp.exp(), w, kind), rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("kind", ["tv", "kl"])
-@pytest.mark.parametrize("k", [1, 5, 20])
-def test_kernel_tail_matches_reference_with_proportional_tail(kind: str, k: int) -> None:
-    z, tokens, mu_logp, w = _random_case(k)
-    top_logp, top_ids = mu_logp.topk(20, -1)
-    rollout = RolloutLogprobs(mu_logp.gather(-1, tokens[:, None]).squeeze(-1), top_ids, top_logp)
-    got = kernel_change(z, tokens, rollout, w, kind, "proportional", k)
-    # The tail estimator's μ̃: μ on S = TopK ∪ {a}, and π's tail rescaled to μ's rest mass off S.
-    pi = z.softmax(-1)
-    in_s = torch.zeros_like(pi, dtype=torch.bool)
-    in_s.scatter_(-1, top_ids[:, :k], True)
-    in_s.scatter_(-1, tokens[:, None], True)
-    mu = mu_logp.exp()
-    mu_r = 1 - (mu * in_s).sum(-1, keepdim=True)
-    pi_r = 1 - (pi * in_s).sum(-1, keepdim=True)
-    mu_tilde = torch.where(in_s, mu, pi * mu_r / pi_r)
-    torch.testing.assert_close(got, _reference_kernel(z, tokens, mu_tilde, w, kind), rtol=1e-9, atol=1e-12)
-
-
-def test_kernel_tail_equals_full_when_tail_is_proportional() -> None:
-    z, tokens, mu_logp, w = _random_case(3)
-    pi = z.softmax(-1)
-    top_ids = mu_logp.topk(5, -1).indices
-    in_s = torch.zeros_like(pi, dtype=torch.bool).scatter_(-1, top_ids, True).scatter_(-1, tokens[:, None], True)
-    mu = mu_logp.exp()
-    mu_prop = torch.where(in_s, mu, pi * (1 - (mu * in_s).sum(-1, keepdim=True)) / (1 - (pi * in_s).sum(-1, keepdim=True)))
-    logq = mu_prop.log()
-    rollout = RolloutLogprobs(logq.gather(-1, tokens[:, None]).squeeze(-1), top_ids, logq.gather(-1, top_ids), logq)
-    for kind in ("tv", "kl"):
-        full = kernel_change(z, tokens, rollout, w, kind, "full")
-        torch.testing.assert_close(kernel_change(z, tokens, rollout, w, kind, "proportional"), full, rtol=1e-9, atol=1e-12)
 
 
 def test_adam_preconditioner_reproduces_the_first_step() -> None:

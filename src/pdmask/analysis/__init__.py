@@ -1,13 +1,12 @@
 """The direction-signal analysis behind ``pdmask analyze`` (docs/analysis.md).
 
-Ground truth by autograd (``truth``), the experimental kernel-aware signal G_W (``kernel``), one run
-of the experiment (``experiment``), each direction mask's unsafe keeps and wasted drops (``maskview``,
+Ground truth by autograd (``truth``), one run of the experiment in resumable rounds (``experiment``),
+each direction mask's unsafe keeps and wasted drops (``maskview``,
 with the intervals of ``rates``), the agreement tables' numbers (``tables``), their words: verdict,
 cells and report.md (``render``), and their plots (``figures``).
 """
 
-from pdmask.analysis.kernel import kernel_change
-from pdmask.analysis.maskview import mask_decisions, mask_view
+from pdmask.analysis.maskview import mask_decisions, mask_view, paired_view
 from pdmask.analysis.truth import (
     adam_preconditioner,
     full_divergence,
@@ -19,8 +18,8 @@ __all__ = [
     "adam_preconditioner",
     "full_divergence",
     "head_change",
-    "kernel_change",
     "mask_decisions",
     "mask_view",
     "own_change",
+    "paired_view",
 ]

@@ -35,8 +35,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     # Random advantages: a 30-step warm start may earn no reward at all, and the smoke run checks the plumbing.
     # Its D stays far below the default δ; thresholds near its median D give the mask view tokens to count.
-    "smoke": {"model": "tiny", "prompts": 8, "group_size": 4, "stale_steps": 1, "sample_tokens": 24, "sft_steps": 30,
-              "advantages": "random", "delta": {"tv": 0.01, "kl": 0.0004}},
+    "smoke": {"model": "tiny", "prompts": 8, "group_size": 4, "stale_steps": 1, "sample_tokens": 24, "beyond_sample": 24,
+              "sft_steps": 30, "advantages": "random", "delta": {"tv": 0.01, "kl": 0.0004}},
+    # The paper's source of mismatch (FP8 rollouts plus stale steps), in rounds until the paper's masks and
+    # DPPO's have disagreed on 2,000 tokens per divergence, each with autograd truth (docs/analysis.md).
+    "scale": {"rollout_dtype": "fp8", "prompts": 256, "group_size": 8, "sample_tokens": 32, "beyond_sample": 64,
+              "rounds": 500, "target_disagreements": 2000},
 }
 # Random advantages for pretrained models: SmolLM2-135M almost never solves `arithmetic`, so GRPO leaves
 # nearly every token with A = 0. The per-token agreement does not depend on A's sign (signal and
@@ -46,16 +50,25 @@ PRETRAINED: dict[str, dict[str, Any]] = {
                 "advantages": "random"},
     "smoke": {"task": "arithmetic", "prompts": 2, "group_size": 2, "stale_steps": 1, "sample_tokens": 8, "lr": 1e-5,
               "advantages": "random"},
+    # Per-token gradients of a 135M model take seconds each: the samples are small, the refinements'
+    # disagreements are sampled, and the paper's masks' disagreements (all of them get truth) are most of the
+    # cost. K = 20 only: the engines' usual limit, and each K is a pass over the 49,152-token vocabulary.
+    "scale": {"task": "arithmetic", "prompts": 16, "group_size": 4, "stale_steps": 1, "sample_tokens": 2, "beyond_sample": 6,
+              "disagree_sample": 8, "ks": (20,), "block_positions": 128, "lr": 1e-5, "advantages": "random",
+              "rounds": 5000},
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=PRESETS, default="default", help="default (<10 min on 2 cores) or smoke (<60 s)")
+    p.add_argument("--preset", choices=PRESETS, default="default",
+                   help="default (<10 min on 2 cores), smoke (<60 s) or scale (FP8 and stale steps, rounds until 2,000 "
+                        "disagreements per divergence; hours; resumable)")
     p.add_argument("--model", help="tiny | small | medium | smollm2-135m | hf:PATH (default: small)")
     p.add_argument("--task", help="sort | copy | reverse (TinyGPT) | arithmetic (pretrained; default for them)")
     p.add_argument("--reward", choices=("partial", "exact"), help="sequence-task reward (default partial)")
     p.add_argument("--source", choices=SOURCES, help="how π and μ come apart (default: both)")
-    p.add_argument("--rollout-dtype", choices=("fp32", "bf16", "fp16"), help="engine precision for mismatch (default bf16)")
+    p.add_argument("--rollout-dtype", choices=("fp32", "bf16", "fp16", "fp8"),
+                   help="engine precision for mismatch and both (default bf16; fp8 for the scale preset)")
     p.add_argument("--stale-steps", type=int, help="Adam steps on other minibatches before the analysed one (>= 1)")
     p.add_argument("--lr", type=float, help="Adam learning rate (default 1e-4; 1e-5 for pretrained models)")
     p.add_argument("--prompts", type=int, help="prompts in the rollout batch")
@@ -66,7 +79,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("grpo", "random"),
         help="GRPO from rewards (default for TinyGPT) or random ±1 per token (default for pretrained models)",
     )
-    p.add_argument("--sample-tokens", type=int, help="tokens with autograd ground truth")
+    p.add_argument("--sample-tokens", type=int, help="per round: uniform sample of all tokens with autograd ground truth")
+    p.add_argument("--beyond-sample", type=int, help="per round: uniform sample of the tokens beyond δ with autograd truth")
+    p.add_argument("--disagree-sample", type=int,
+                   help="per round: uniform sample of the disagreements of pdmask's refinements with truth "
+                        "(default all; the paper's masks' and PDM full's always get truth)")
+    p.add_argument("--rounds", type=int, help="at most this many rounds (rollout batch, stale steps, analysis); default 1")
+    p.add_argument("--target-disagreements", type=int,
+                   help="stop once the paper's masks and DPPO's disagreed on this many tokens for TV and for KL")
+    p.add_argument("--block-positions", type=int, help="positions per block of the per-token statistics (memory)")
     p.add_argument("--ks", help="comma-separated K values for the top-K estimators (default 1,5,20)")
     p.add_argument("--sft-steps", type=int, help="SFT warm-start steps for TinyGPT (default: the lab's)")
     p.add_argument("--delta-tv", type=float, help="TV threshold δ (default 0.15)")
@@ -75,7 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # One thread: on a shared 2-core machine a second torch thread spins against other processes
     # (measured: SmolLM2 per-token gradients 3.4 s with 1 thread, 23 s with 2 under load).
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--out", default="runs/analyze", help="output folder (default runs/analyze)")
+    p.add_argument("--out", default="runs/analyze",
+                   help="output folder (default runs/analyze); a rerun with the same settings continues its rounds")
 
 
 def config_from_args(args: argparse.Namespace) -> AnalysisConfig:
@@ -86,7 +108,8 @@ def config_from_args(args: argparse.Namespace) -> AnalysisConfig:
     flags = {
         name: getattr(args, name)
         for name in ("model", "task", "reward", "source", "rollout_dtype", "stale_steps", "lr", "prompts", "group_size",
-                     "temperature", "advantages", "sample_tokens", "sft_steps", "seed")
+                     "temperature", "advantages", "sample_tokens", "beyond_sample", "disagree_sample", "rounds", "target_disagreements",
+                     "block_positions", "sft_steps", "seed")
         if getattr(args, name) is not None
     }
     model = flags.get("model", values.get("model", AnalysisConfig.model))
@@ -119,9 +142,9 @@ def _lab_config(cfg: AnalysisConfig) -> Config:
 TABLE_COLUMNS = (
     ("own_sgd", "all", "own step\nall"),
     ("own_sgd", "beyond_delta", "own step\nD > δ"),
-    ("own_sgd", "differs_from_ratio", "own step\nPDM ≠ ratio"),
+    ("own_sgd", "differs_beyond_delta", "own step\nPDM ≠ ratio, D > δ"),
     ("own_adam", "all", "own Adam\nall"),
-    ("own_adam", "differs_from_ratio", "own Adam\nPDM ≠ ratio"),
+    ("own_adam", "differs_beyond_delta", "own Adam\nPDM ≠ ratio, D > δ"),
     ("step_adam", "all", "real Adam\nstep, all"),
     ("head", "all", "output layer\nonly, all"),
 )
@@ -143,7 +166,7 @@ def agreement_table(summary: dict, kind: str):
 
 
 def tracking_table(summary: dict):
-    """How the top-K estimators (and gw_proportional) track their full-information versions, per divergence."""
+    """How the top-K estimators track their full-information versions (kernel_topk: kernel_full), per divergence."""
     from rich.table import Table
 
     table = Table(title="Top-K estimators against the full one (all analysed tokens)", title_justify="left")
@@ -177,6 +200,22 @@ def mask_table(summary: dict, kind: str):
     return table
 
 
+def paired_table(summary: dict, kind: str):
+    """Where each predictive mask and its ratio-sign counterpart differ: how often the truths side with it."""
+    from rich.table import Table
+
+    from pdmask.analysis.render import share_cell
+    from pdmask.analysis.tables import PAIRED_TRUTHS, paired_rows
+
+    table = Table(title=f"{kind.upper()}: where PDM and the ratio sign decide differently, right by PDM, % [95% CI] k/n",
+                  title_justify="left")
+    for header in ("predictive mask vs ratio sign", "differ", *PAIRED_TRUTHS):
+        table.add_column(header, justify="left" if header.startswith("predictive") else "right")
+    for label, differ, cells in paired_rows(summary, kind):
+        table.add_row(label, differ, *(share_cell(c) for c in cells))
+    return table
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -195,6 +234,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         BarColumn,
         MofNCompleteColumn,
         Progress,
+        TaskID,
         TextColumn,
         TimeElapsedColumn,
     )
@@ -230,12 +270,19 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
 
+        bars: dict[str, TaskID] = {}
+
         def progress(label: str, total: int):
-            task_id = bar.add_task(label, total=total)
+            # One bar per label: each round's ground-truth bar restarts the previous round's.
+            if label in bars:
+                bar.reset(bars[label], total=total)
+            else:
+                bars[label] = bar.add_task(label, total=total)
+            task_id = bars[label]
             return lambda: bar.advance(task_id)
 
         try:
-            results, run_timing = run_analysis(cfg, policy, task, engine_factory, progress)
+            results, run_timing = run_analysis(cfg, policy, task, engine_factory, Path(args.out), progress, bar.console.print)
         except ValueError as e:
             console.print(f"[red]pdmask analyze: {e}[/red]")
             return 2
@@ -252,9 +299,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         out.print(agreement_table(summary, kind))
     for kind in KINDS:
         out.print(mask_table(summary, kind))
+        out.print(paired_table(summary, kind))
     out.print(tracking_table(summary))
     out.print("[bold]Verdict[/bold]")
     for line in summary["verdict"]:
         out.print(f"- {line}")
-    out.print(f"Report: {path} (analysis.json, agreement.png, by_pi_a.png, topk.png, masks.png); {timing['total_s']:.0f} s.")
+    out.print(f"Report: {path} (analysis.json, agreement.png, by_pi_a.png, topk.png, masks.png); {timing['total_s']:.0f} s "
+              f"for {run_timing['rounds_analysed']:.0f} rounds (finished rounds of an earlier call are loaded, not rerun).")
     return 0

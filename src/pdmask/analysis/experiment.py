@@ -1,49 +1,41 @@
-"""One analysis run: roll out, pull π and μ apart, compute every direction signal and every ground truth.
+"""One analysis run, as repeated rounds whose memory is bounded by one round, resumable after a kill.
 
-Recipe (docs/analysis.md):
-1. Sample ``prompts × group_size`` responses with the rollout engine (μ; bf16/fp16 for ``mismatch``
-   and ``both``, fp32 for ``stale``), with μ's full log-probs and top-K, and compute advantages
-   (GRPO from the task's rewards, or random ±1 per token).
+Each round (docs/analysis.md), from the same starting weights and a fresh Adam, with its own seed:
+1. Sample ``prompts × group_size`` responses with the rollout engine (μ; ``rollout_dtype`` for
+   ``mismatch`` and ``both``, fp32 for ``stale``), with μ's full log-probs and top-K, and compute
+   advantages (GRPO from the task's rewards, or random ±1 per token).
 2. Split the rows into ``stale_steps + 1`` minibatches and take one Adam step on the truncated-IS
    surrogate of each of the first ``stale_steps``. For ``stale`` and ``both`` the steps use ``lr``, so
    π moves away from μ; for ``mismatch`` they use lr = 0, which fills Adam's second moment v (its
    preconditioner) without moving the weights.
-3. On the last minibatch (π = the current weights in fp32), per response token with A ≠ 0: the signals
-   (ratio sign, PDM full and each top-K estimator at each K, G_W) and the true D; on a sample of them the autograd
-   ground truth (plain, Adam-preconditioned, output layer only); on all of them the actual change of D
-   after one real step on the whole minibatch (Adam with its state, and a plain gradient step of the
-   same parameter-space length), and every direction mask's decision (``maskview``).
+3. On the last minibatch (π = the current weights in fp32), per response token with A ≠ 0, in blocks of
+   ``block_positions`` positions: the true D, every direction signal (ratio sign, each registered
+   estimator of G at each K) and every registered direction mask's decision (``pdmask.decide``).
+4. Autograd ground truths only where they decide something: every token beyond δ on which a predictive
+   mask and its ratio-sign counterpart decide differently, a uniform sample of the tokens beyond δ
+   (the mask view's rates) and a uniform sample of all tokens (the agreement tables, check 5).
+5. The actual change of D of every token after one real step on the whole minibatch (Adam with its
+   state, and a plain gradient step of the same parameter-space length).
+A round keeps only per-token float32/bool vectors (``ROUND_FILE``, written atomically); a rerun with
+the same settings loads the finished rounds and continues with the next one.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
 
-from pdmask import (
-    METHODS,
-    RolloutLogprobs,
-    decide,
-    policy_loss,
-    policy_stats,
-    predicted_change,
-)
-from pdmask.analysis.kernel import kernel_change
-from pdmask.analysis.maskview import mask_decisions
-from pdmask.analysis.truth import (
-    KINDS,
-    adam_preconditioner,
-    full_divergence,
-    head_change,
-    own_change,
-)
+from pdmask import METHODS, PolicyStats, RolloutLogprobs, decide, policy_loss, policy_stats, predicted_change
+from pdmask.analysis.maskview import counterpart, direction_methods, mask_decisions
+from pdmask.analysis.truth import KINDS, adam_preconditioner, full_divergence, head_change, own_change
+from pdmask.lab.files import save_atomic, write_text_atomic
 from pdmask.lab.train import grpo_advantages
 
 if TYPE_CHECKING:
@@ -51,15 +43,28 @@ if TYPE_CHECKING:
     from pdmask.lab.tasks import Task
 
 SOURCES = ("mismatch", "stale", "both")
-#: The top-K estimators of G that the registry's predictive masks use, each analysed at every K.
-TOPK_ESTIMATORS = tuple(dict.fromkeys(m.estimator for m in METHODS.values() if m.rule == "pdm" and m.info == "topk"))
+#: Estimators of G that need μ over the whole vocabulary (analysed once) or only its top K (at every K).
+_PDM = [m for m in METHODS.values() if m.rule == "pdm"]
+FULL_ESTIMATORS = tuple(dict.fromkeys(m.estimator for m in _PDM if m.info == "full"))
+TOPK_ESTIMATORS = tuple(dict.fromkeys(m.estimator for m in _PDM if m.info == "topk"))
+#: The paper's top-K estimators (docs/method.md): their disagreements with DPPO's ratio sign are the run's target.
+PAPER_ESTIMATORS = ("aggregated", "uniform")
+#: Estimators whose every disagreement with the ratio sign gets autograd truth (the others' may be sampled).
+ALWAYS_MEASURED = (*PAPER_ESTIMATORS, "full")
 #: The surrogate of the optimizer steps: truncated IS without a trust region, so every token moves.
 STEP_METHOD = "pg_is"
+#: Truths by autograd on selected tokens (NaN elsewhere); the step_* truths are measured on every token.
+AUTOGRAD_TRUTHS = ("own_sgd", "own_adam", "head")
+ROUND_FILE = "round_{:05d}.pt"
+#: Settings a rerun may change without starting over: they only say when to stop.
+STOPPING = ("rounds", "target_disagreements")
+#: Logits of a forward pass held at once (elements): rows per micro-batch = this / (length × V).
+LOGIT_BUDGET = 1 << 24
 
 
 @dataclass
 class AnalysisConfig:
-    """Everything a run depends on (stored in analysis.json)."""
+    """Everything a run depends on (stored in analysis.json and, for resuming, run.json)."""
 
     model: str = "small"
     task: str = "sort"
@@ -72,11 +77,18 @@ class AnalysisConfig:
     # Adam's first steps move every weight by about lr whatever its gradient: right after the warm
     # start, 1e-3 puts the median TV near 0.5, far outside any trust region; 1e-4 puts it near 0.04.
     lr: float = 1e-4
-    prompts: int = 512
+    prompts: int = 512  # per round
     group_size: int = 8
     temperature: float = 1.0
     advantages: str = "grpo"  # grpo | random
-    sample_tokens: int = 2048  # uniform sample with autograd ground truth (and cap on targeted tokens)
+    sample_tokens: int = 2048  # per round: uniform sample of all analysed tokens with autograd truth
+    beyond_sample: int = 512  # per round: uniform sample of the tokens beyond δ with autograd truth
+    # Per round: uniform sample of the tokens where any predictive mask and the ratio sign decide differently
+    # (None: all). The paper's masks' and PDM full's disagreements (ALWAYS_MEASURED) get truth regardless.
+    disagree_sample: int | None = None
+    rounds: int = 1  # at most this many rounds
+    target_disagreements: int | None = None  # stop once the paper's masks disagree with DPPO this often, per kind
+    block_positions: int = 256  # positions per block of the per-token statistics (bounds the [block, V] arrays)
     ks: tuple[int, ...] = (1, 5, 20)
     sft_steps: int | None = None  # None: the lab's default warm start (TinyGPT only)
     seed: int = 0
@@ -94,9 +106,14 @@ class AnalysisConfig:
             raise ValueError(f"advantages must be 'grpo' or 'random', got {self.advantages!r}.")
         if not self.ks or min(self.ks) < 1:
             raise ValueError(f"ks must be positive top-K sizes, got {self.ks}.")
-        for name in ("prompts", "sample_tokens"):
+        for name in ("prompts", "rounds", "block_positions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("sample_tokens", "beyond_sample", "disagree_sample"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+        if self.target_disagreements is not None and self.target_disagreements < 1:
+            raise ValueError(f"target_disagreements must be >= 1, got {self.target_disagreements}.")
         if self.prompts * self.group_size < self.stale_steps + 1:
             raise ValueError(
                 f"{self.prompts} x {self.group_size} rollouts cannot fill stale_steps + 1 = {self.stale_steps + 1} minibatches."
@@ -109,10 +126,11 @@ class AnalysisConfig:
 
 @dataclass
 class TokenResults:
-    """Per-token arrays over the analysed tokens [M] (response tokens with A ≠ 0 of the last minibatch).
+    """Per-token arrays over the analysed tokens [M] of all rounds (response tokens with A ≠ 0).
 
     ``signals[kind][name]`` are the signed predictions A·X (positive = D grows); ``truth[kind][name]``
-    the signed true changes, NaN where not measured (autograd truths exist on ``sampled | targeted`` only).
+    the signed true changes, NaN where not measured (autograd truths exist on the sampled and targeted
+    tokens only).
     """
 
     advantage: Tensor
@@ -123,10 +141,49 @@ class TokenResults:
     raw_g: dict[str, dict[str, Tensor]]  # G of each estimator, unsigned (for the top-K tracking)
     signals: dict[str, dict[str, Tensor]]
     truth: dict[str, dict[str, Tensor]]
-    sampled: Tensor  # bool [M]: the uniform sample with autograd truth
-    targeted: Tensor  # bool [M]: tokens added because PDM full and the ratio sign disagree there
-    row: Tensor  # [M]: the response each token belongs to (its tokens share A and context)
-    masks: dict[str, dict[str, Tensor]]  # method -> {"beyond", "keep"} bool [M] at K = max(ks) (maskview)
+    sampled: Tensor  # bool [M]: the uniform sample of all tokens with autograd truth
+    beyond_sampled: Tensor  # bool [M]: the uniform sample of the tokens beyond δ (for any mask) with autograd truth
+    targeted: dict[str, Tensor]  # kind -> bool [M]: a predictive mask and its ratio-sign counterpart decide differently
+    disagree_sampled: dict[str, Tensor]  # kind -> bool [M]: the uniform sample of ``targeted`` with truth
+    row: Tensor  # [M]: the response each token belongs to (its tokens share A and context), unique over rounds
+    masks: dict[str, dict[str, Tensor]]  # method -> {"beyond", "keep"} bool [M] at K = max(ks)
+
+    @classmethod
+    def from_records(cls, records: Sequence[dict[str, Tensor]]) -> TokenResults:
+        """Concatenates the flat per-round records (``run_round``) into one result, in float64."""
+        if not records:
+            raise ValueError("no round has been analysed.")
+        flat = {key: torch.cat([r[key] for r in records]) for key in records[0]}
+
+        def num(key: str) -> Tensor:
+            return flat[key].double()
+
+        def sub(prefix: str) -> dict[str, Tensor]:
+            return {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
+
+        adv, pi_a, mu_a = num("adv"), num("pi_a"), num("mu_a")
+        raw = {kind: {"ratio": pi_a - mu_a} | {k: v.double() for k, v in sub(f"g/{kind}/").items()} for kind in KINDS}
+        return cls(
+            advantage=adv,
+            pi_a=pi_a,
+            mu_a=mu_a,
+            div={kind: num(f"div/{kind}") for kind in KINDS},
+            beyond={kind: flat[f"beyond/{kind}"] for kind in KINDS},
+            raw_g={kind: {k: v for k, v in g.items() if k != "ratio"} for kind, g in raw.items()},
+            signals={kind: {signal_name(k): adv * v for k, v in g.items()} for kind, g in raw.items()},
+            truth={kind: {k: v.double() for k, v in sub(f"truth/{kind}/").items()} for kind in KINDS},
+            sampled=flat["sampled"],
+            beyond_sampled=flat["beyond_sampled"],
+            targeted={kind: flat[f"targeted/{kind}"] for kind in KINDS},
+            disagree_sampled={kind: flat[f"disagree_sampled/{kind}"] for kind in KINDS},
+            row=flat["row"],
+            masks=record_masks(flat),
+        )
+
+
+def signal_name(estimate: str) -> str:
+    """Table name of an estimate of G: ``full`` -> ``pdm_full``, ``aggregated@5`` -> ``pdm_aggregated@5``."""
+    return estimate if estimate == "ratio" else f"pdm_{estimate}"
 
 
 @contextmanager
@@ -140,12 +197,6 @@ def _captured_hidden(head: nn.Module) -> Iterator[list[Tensor]]:
         handle.remove()
 
 
-def _step_loss(policy: nn.Module, batch: RolloutBatch, adv: Tensor, temperature: float) -> Tensor:
-    logits = batch.response_logits(policy(batch.input_ids, batch.attention_mask)) / temperature
-    loss, _ = policy_loss(STEP_METHOD, logits, batch.tokens, batch.rollout_logprobs(), adv, batch.response_mask)
-    return loss
-
-
 def _unembedding(policy: nn.Module) -> tuple[nn.Module, Tensor, Tensor | None]:
     """The output layer ``policy.lm_head`` with its weight W [V, d] and bias [V] (or None)."""
     head = policy.get_submodule("lm_head")
@@ -155,35 +206,129 @@ def _unembedding(policy: nn.Module) -> tuple[nn.Module, Tensor, Tensor | None]:
     return head, weight, bias if isinstance(bias, Tensor) else None
 
 
-def _head_logits(policy: nn.Module, batch: RolloutBatch, temperature: float) -> tuple[Tensor, Tensor]:
-    """(z [N, R, V] float64 from the fp32 hidden states, h [N, R, d]) of the response positions."""
-    head, weight, bias = _unembedding(policy)
-    with torch.no_grad(), _captured_hidden(head) as seen:
-        policy(batch.input_ids, batch.attention_mask)
-    h = batch.response_logits(seen[-1])
-    z = h.double() @ weight.double().T
-    if bias is not None:
-        z = z + bias.double()
-    return z / temperature, h
+def _row_chunks(batch: RolloutBatch, vocab: int) -> list[Tensor]:
+    """Row indices of micro-batches whose logits [rows, length, V] stay within LOGIT_BUDGET elements."""
+    n, length = batch.input_ids.shape
+    return list(torch.arange(n).split(max(1, LOGIT_BUDGET // (length * vocab))))
 
 
-def run_analysis(
+def _accumulate_step_grad(policy: nn.Module, batch: RolloutBatch, adv: Tensor, temperature: float) -> None:
+    """Adds ∇ of the minibatch's token-mean surrogate to ``.grad``, one micro-batch at a time."""
+    total = batch.response_mask.sum().clamp(min=1)
+    for idx in _row_chunks(batch, policy.vocab_size):
+        sub = batch.select(idx)
+        logits = sub.response_logits(policy(sub.input_ids, sub.attention_mask)) / temperature
+        loss, _ = policy_loss(STEP_METHOD, logits, sub.tokens, sub.rollout_logprobs(), adv[idx], sub.response_mask)
+        # Weighted by its share of the tokens, the micro-batches' token means add up to the minibatch's.
+        (loss * sub.response_mask.sum() / total).backward()
+
+
+@torch.no_grad()
+def _hidden(policy: nn.Module, batch: RolloutBatch) -> Tensor:
+    """Final hidden states h [N, R, d] (fp32) at the positions that predict the response."""
+    head, _, _ = _unembedding(policy)
+    parts = []
+    for idx in _row_chunks(batch, policy.vocab_size):
+        with _captured_hidden(head) as seen:
+            policy(batch.input_ids[idx], batch.attention_mask[idx])
+        parts.append(batch.response_logits(seen[-1]))
+    return torch.cat(parts)
+
+
+def _blocks(n: int, size: int) -> Iterator[slice]:
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """z = (h Wᵀ + b)/T [n, V] in float64 (weight and bias already float64)."""
+    z = h.double() @ weight.T
+    return (z if bias is None else z + bias) / temperature
+
+
+def _block_stats(
     cfg: AnalysisConfig,
-    policy: nn.Module,
-    task: Task,
-    engine_factory: Callable[[nn.Module], RolloutEngine],
-    progress: Callable[[str, int], Callable[[], None]] | None = None,
-) -> tuple[TokenResults, dict[str, float]]:
-    """Runs the recipe of the module docstring on a warm-started ``policy``; returns per-token results and timings.
+    z: Tensor,
+    tokens: Tensor,
+    rollout: RolloutLogprobs,
+    adv: Tensor,
+    weight: Tensor,
+) -> dict[str, Tensor]:
+    """Everything cheap of one block of positions [B]: D, beyond δ, every estimate of G, every mask's decision.
 
-    ``engine_factory(policy)`` builds the rollout engine (the lab's RolloutEngine with full log-probs).
-    ``progress(label, total)`` returns a callback to advance a progress bar by one.
+    ``rollout`` carries μ's top max(ks) and its full log-probs; ``weight`` is the LM head W [V, d] for the
+    kernel-aware estimators. Returns the flat record entries of the block.
     """
-    cfg.validate()
+    out: dict[str, Tensor] = {}
+    methods = direction_methods()
+
+    def stats(info: RolloutLogprobs, estimators: Sequence[str]) -> PolicyStats:
+        """One pass over the vocabulary with the sums the given estimators need."""
+        wanted = [m for m in _PDM if m.estimator in estimators]
+        return policy_stats(
+            z, tokens, info,
+            need_uniform=any(m.needs_uniform for m in wanted),
+            head_weight=weight if any(m.needs_head for m in wanted) else None,
+        )
+
+    full = stats(rollout, tuple({m.estimator for m in methods if m.estimator is not None}))
+    for kind in KINDS:
+        exact = decide(f"pdm_full_{kind}", full, adv, delta_low=cfg.delta[kind], delta_high=cfg.delta[kind])
+        out[f"div/{kind}"] = cast(Tensor, exact.divergence).float()
+        out[f"beyond/{kind}"] = cast(Tensor, exact.beyond)
+        for est in FULL_ESTIMATORS:
+            out[f"g/{kind}/{est}"] = predicted_change(full, kind, est).float()
+    for k_top in cfg.ks:
+        assert rollout.topk_ids is not None and rollout.topk_logp is not None
+        sub = stats(RolloutLogprobs(rollout.logp, rollout.topk_ids[:, :k_top], rollout.topk_logp[:, :k_top]), TOPK_ESTIMATORS)
+        for kind in KINDS:
+            for est in TOPK_ESTIMATORS:
+                out[f"g/{kind}/{est}@{k_top}"] = predicted_change(sub, kind, est).float()
+    # Every direction mask's decision, each from the information it uses (μ's top max(ks), or all of μ).
+    for name, dec in mask_decisions(full, adv, cfg.delta).items():
+        out[f"mask/{name}/beyond"], out[f"mask/{name}/keep"] = dec["beyond"], dec["keep"]
+    out["pi_a"], out["mu_a"] = full.pi_a.float(), full.mu_a.float()
+    return out
+
+
+def disagreements(masks: dict[str, dict[str, Tensor]], kind: str, estimators: Sequence[str] | None = None) -> Tensor:
+    """bool [M]: tokens where a predictive mask of ``kind`` (of ``estimators``, default all) and its ratio-sign
+    counterpart (``maskview.counterpart``) decide differently. Both share D, so such tokens are beyond δ."""
+    out = torch.zeros_like(next(iter(masks.values()))["keep"])
+    for m in direction_methods():
+        other = counterpart(m)
+        if m.rule != "pdm" or m.kind != kind or m.name not in masks or other not in masks:
+            continue
+        if estimators is None or m.estimator in estimators:
+            out |= masks[m.name]["keep"] != masks[other]["keep"]
+    return out
+
+
+def _uniform(candidates: Tensor, size: int, gen: torch.Generator) -> Tensor:
+    """bool mask of ``size`` tokens drawn uniformly without replacement among ``candidates`` (bool [M])."""
+    idx = candidates.nonzero().squeeze(-1)
+    out = torch.zeros_like(candidates)
+    out[idx[torch.randperm(len(idx), generator=gen)[:size]]] = True
+    return out
+
+
+def run_round(
+    cfg: AnalysisConfig,
+    index: int,
+    policy: nn.Module,
+    engine: RolloutEngine,
+    task: Task,
+    progress: Callable[[str, int], Callable[[], None]] | None = None,
+) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """One round (the module docstring) from the policy's current weights; returns its flat record and timings.
+
+    The record maps names (``adv``, ``div/tv``, ``g/kl/aggregated@5``, ``mask/<method>/keep``,
+    ``truth/kl/own_sgd``, ...) to per-token float32/bool/int64 vectors over the round's analysed tokens.
+    """
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    gen = torch.Generator().manual_seed(cfg.seed)
-    engine = engine_factory(policy)
+    # Each round has its own stream: a resumed run draws exactly what an uninterrupted one would.
+    gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * index)
     problems = task.sample(cfg.prompts, gen)
     rollout = engine.generate(
         [p.prompt_ids for p in problems],
@@ -195,6 +340,8 @@ def run_analysis(
         pad_id=task.pad_id,
         generator=gen,
     )
+    if rollout.full_logp is None:
+        raise ValueError("the rollout engine must return μ's full log-probs (RolloutEngine(..., return_full=True)).")
     mask = rollout.response_mask
     if cfg.advantages == "grpo":
         rows = [p for p in problems for _ in range(cfg.group_size)]
@@ -210,80 +357,62 @@ def run_analysis(
     n_rows = rollout.tokens.shape[0]
     parts = torch.randperm(n_rows, generator=gen).tensor_split(cfg.stale_steps + 1)
     params: list[Tensor] = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=cfg.lr)
-    opt.param_groups[0]["lr"] = 0.0 if cfg.source == "mismatch" else cfg.lr
+    opt = torch.optim.Adam(params, lr=0.0 if cfg.source == "mismatch" else cfg.lr)
     for idx in parts[:-1]:
         opt.zero_grad(set_to_none=True)
-        _step_loss(policy, rollout.select(idx), adv[idx], cfg.temperature).backward()
+        _accumulate_step_grad(policy, rollout.select(idx), adv[idx], cfg.temperature)
         opt.step()
     opt.param_groups[0]["lr"] = cfg.lr
+    opt.zero_grad(set_to_none=True)  # the truths and the real step need the memory of the gradients
+    batch, batch_adv = rollout.select(parts[-1]), adv[parts[-1]]
+    del rollout  # the other minibatches' full μ is no longer needed
     times["stale_steps_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    batch, batch_adv = rollout.select(parts[-1]), adv[parts[-1]]
-    z, h = _head_logits(policy, batch, cfg.temperature)
     keep = batch.response_mask & (batch_adv != 0)
     rows_idx, cols_idx = keep.nonzero(as_tuple=True)
-    if len(rows_idx) == 0:
-        raise ValueError(
-            "no response token of the analysed minibatch has A != 0 (every group got equal rewards): "
-            "use more prompts, a larger group, another seed or --advantages random."
-        )
-    if batch.full_logp is None:
-        raise ValueError("the rollout engine must return μ's full log-probs (RolloutEngine(..., return_full=True)).")
+    m = len(rows_idx)
+    if m == 0:  # every group got equal rewards: nothing to analyse in this round
+        return {"adv": torch.zeros(0)}, times
+    h = _hidden(policy, batch)[keep]
+    assert batch.full_logp is not None
     tokens, a = batch.tokens[keep], batch_adv[keep].double()
-    zf, hf = z[keep], h[keep]
-    full_logp = batch.full_logp[keep]
-    mu_logp_a = batch.logp[keep]
-    full = policy_stats(zf, tokens, RolloutLogprobs(mu_logp_a, full_logp=full_logp))
+    full_logp, mu_logp_a = batch.full_logp[keep], batch.logp[keep]
+    top_ids, top_logp = batch.topk_ids[keep], batch.topk_logp[keep]
     _, w, bias = _unembedding(policy)
-    # The exact decision per kind (pdm_full): D, the tokens beyond δ and the exact G, from the core.
-    exact = {k: decide(f"pdm_full_{k}", full, a, delta_low=cfg.delta[k], delta_high=cfg.delta[k]) for k in KINDS}
-    div = {k: cast(Tensor, exact[k].divergence) for k in KINDS}
-    raw: dict[str, dict[str, Tensor]] = {k: {"full": cast(Tensor, exact[k].direction)} for k in KINDS}
-    for k_top in cfg.ks:
-        sub = RolloutLogprobs(mu_logp_a, batch.topk_ids[keep][:, :k_top], batch.topk_logp[keep][:, :k_top])
-        st = policy_stats(zf, tokens, sub)
-        for kind in KINDS:
-            for est in TOPK_ESTIMATORS:
-                raw[kind][f"{est}@{k_top}"] = predicted_change(st, kind, est)
-    top = RolloutLogprobs(mu_logp_a, batch.topk_ids[keep], batch.topk_logp[keep], full_logp)
-    # Every mask method's decision, each from the information it uses (μ's top max(ks), or all of μ).
-    masks = mask_decisions(policy_stats(zf, tokens, top), a, cfg.delta)
-    for kind in KINDS:
-        raw[kind]["gw_full"] = kernel_change(zf, tokens, top, w, kind, "full")
-        raw[kind][f"gw_proportional@{max(cfg.ks)}"] = kernel_change(zf, tokens, top, w, kind, "proportional")
-    ratio_dir = (full.pi_a - full.mu_a).double()
-    signals = {
-        kind: {"ratio": a * ratio_dir}
-        | {("pdm_" + n if not n.startswith("gw") else n): a * g.double() for n, g in raw[kind].items()}
-        for kind in KINDS
-    }
-
-    # Autograd truth on a uniform sample (unbiased rates) plus the tokens where PDM full and the ratio
-    # sign disagree (where the choice matters; few, so all of them up to the same cap).
-    m = len(tokens)
-    sampled = torch.zeros(m, dtype=torch.bool)
-    sampled[torch.randperm(m, generator=gen)[: cfg.sample_tokens]] = True
-    differ = torch.zeros(m, dtype=torch.bool)
-    for kind in KINDS:
-        differ |= torch.sign(signals[kind]["ratio"]) != torch.sign(signals[kind]["pdm_full"])
-    candidates = differ.nonzero().squeeze(-1)
-    targeted = torch.zeros(m, dtype=torch.bool)
-    targeted[candidates[torch.randperm(len(candidates), generator=gen)[: cfg.sample_tokens]]] = True
-    pick = (sampled | targeted).nonzero().squeeze(-1)
-    truth: dict[str, dict[str, Tensor]] = {kind: {} for kind in KINDS}
+    w64 = w.detach().double()
+    b64 = None if bias is None else bias.detach().double()
+    blocks = []
+    for sl in _blocks(m, cfg.block_positions):
+        info = RolloutLogprobs(mu_logp_a[sl], top_ids[sl], top_logp[sl], full_logp[sl])
+        # W in the logits' float64: the core's pass would otherwise convert it for every block of the vocabulary.
+        blocks.append(_block_stats(cfg, _logits(h[sl], w64, b64, cfg.temperature), tokens[sl], info, a[sl], w64))
+    rec: dict[str, Tensor] = {key: torch.cat([b[key] for b in blocks]) for key in blocks[0]}
+    masks = record_masks(rec)
     times["signals_s"] = time.perf_counter() - t0
 
+    # Autograd truth where it decides something (disagreements beyond δ), plus two uniform samples.
     t0 = time.perf_counter()
+    none = torch.zeros(m, dtype=torch.bool)
+    targeted = {kind: disagreements(masks, kind) for kind in KINDS}
+    size = m if cfg.disagree_sample is None else cfg.disagree_sample
+    disagree_sampled = {kind: _uniform(targeted[kind], size, gen) for kind in KINDS}
+    measured = {kind: disagree_sampled[kind] | disagreements(masks, kind, ALWAYS_MEASURED) for kind in KINDS}
+    union_beyond = none.clone()
+    for dec in masks.values():
+        union_beyond |= dec["beyond"]
+    sampled = _uniform(~none, cfg.sample_tokens, gen)
+    beyond_sampled = _uniform(union_beyond, cfg.beyond_sample, gen)
+    need = torch.stack([sampled | beyond_sampled | measured[kind] for kind in KINDS], 1)  # [M, kinds]
+    truth: dict[str, Tensor] = {}
+    pick = sampled.nonzero().squeeze(-1)
     for kind in KINDS:
         v = torch.full((m,), float("nan"), dtype=torch.float64)
-        v[pick] = head_change(hf[pick], w, bias, cfg.temperature, tokens[pick],
-                              full_logp[pick], a[pick], kind)
-        truth[kind]["head"] = v
+        v[pick] = head_change(h[pick], w, bias, cfg.temperature, tokens[pick], full_logp[pick], a[pick], kind)
+        truth[f"truth/{kind}/head"] = v
     precond: dict[str, Sequence[Tensor] | None] = {"sgd": None, "adam": adam_preconditioner(opt, params)}
     own = {(kind, name): torch.full((m,), float("nan"), dtype=torch.float64) for kind in KINDS for name in precond}
-    prompt_len = batch.prompt_len
+    pick = need.any(1).nonzero().squeeze(-1)
     sample_rows = rows_idx[pick]
     advance = progress("ground truth (autograd)", len(pick)) if progress else None
     for row in sample_rows.unique().tolist():
@@ -293,37 +422,35 @@ def run_analysis(
         def forward(x: Tensor, att: Tensor = att) -> Tensor:
             return policy(x[None], att[None, : len(x)])[0] / cfg.temperature
 
-        res = own_change(forward, params, ids, prompt_len - 1 + cols_idx[sel], full_logp[sel], a[sel], precond)
+        positions = batch.prompt_len - 1 + cols_idx[sel]
+        res = own_change(forward, params, ids, positions, full_logp[sel], a[sel], precond, need=need[sel])
         for key, val in res.items():
             own[key][sel] = val
         if advance:
             for _ in range(len(sel)):
                 advance()
+    del precond
     for (kind, name), val in own.items():
-        truth[kind][f"own_{name}"] = val
+        truth[f"truth/{kind}/own_{name}"] = val
     times["truth_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    for name, d_after in _after_one_step(policy, opt, params, batch, batch_adv, cfg.temperature, keep, full_logp).items():
+    for name, d_after in _after_one_step(policy, opt, params, batch, batch_adv, cfg.temperature, keep, full_logp, cfg).items():
         for kind in KINDS:
-            truth[kind][f"step_{name}"] = (d_after[kind] - div[kind]).double()
+            truth[f"truth/{kind}/step_{name}"] = d_after[kind] - rec[f"div/{kind}"].double()
     times["step_s"] = time.perf_counter() - t0
 
-    results = TokenResults(
-        advantage=a,
-        pi_a=full.pi_a.double(),
-        mu_a=full.mu_a.double(),
-        div={k: v.double() for k, v in div.items()},
-        beyond={k: cast(Tensor, exact[k].beyond) for k in KINDS},
-        raw_g={k: {n: g.double() for n, g in d.items()} for k, d in raw.items()},
-        signals=signals,
-        truth=truth,
-        sampled=sampled,
-        targeted=targeted,
-        row=rows_idx,
-        masks=masks,
-    )
-    return results, times
+    rec |= {key: val.float() for key, val in truth.items()}
+    rec |= {f"targeted/{kind}": t for kind, t in targeted.items()}
+    rec |= {f"disagree_sampled/{kind}": t for kind, t in disagree_sampled.items()}
+    rec |= {
+        "adv": a.float(),
+        "sampled": sampled,
+        "beyond_sampled": beyond_sampled,
+        # Unique over rounds: the clustered intervals treat each response as one cluster.
+        "row": rows_idx + index * n_rows,
+    }
+    return rec, times
 
 
 def _after_one_step(
@@ -335,35 +462,39 @@ def _after_one_step(
     temperature: float,
     keep: Tensor,
     full_logp: Tensor,
+    cfg: AnalysisConfig,
 ) -> dict[str, dict[str, Tensor]]:
-    """D of the analysed tokens after one Adam step (with its state) and after a plain gradient step of
-    the same length, each on the whole minibatch from the current weights; the weights are restored."""
+    """Exact D of the analysed tokens after one Adam step (with its state) and after a plain gradient step
+    of the same length, each on the whole minibatch from the current weights.
+
+    The weights end at the plain step and the optimizer's state is spent: the round is over after this.
+    """
     saved = [p.detach().clone() for p in params]
-    opt_state = copy.deepcopy(opt.state_dict())
     opt.zero_grad(set_to_none=True)
-    _step_loss(policy, batch, adv, temperature).backward()
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
-    out: dict[str, dict[str, Tensor]] = {}
+    _accumulate_step_grad(policy, batch, adv, temperature)
+    _, w, bias = _unembedding(policy)
 
     def measure() -> dict[str, Tensor]:
-        z, _ = _head_logits(policy, batch, temperature)
-        return {k: full_divergence(z[keep], full_logp, k) for k in KINDS}
+        h = _hidden(policy, batch)[keep]
+        w64 = w.detach().double()
+        b64 = None if bias is None else bias.detach().double()
+        out = {kind: torch.empty(len(h), dtype=torch.float64) for kind in KINDS}
+        for sl in _blocks(len(h), cfg.block_positions):
+            z = _logits(h[sl], w64, b64, temperature)
+            for kind in KINDS:
+                out[kind][sl] = full_divergence(z, full_logp[sl], kind)
+        return out
 
     opt.step()
+    result = {"adam": measure()}
     with torch.no_grad():
         length = torch.stack([(p - s).square().sum() for p, s in zip(params, saved)]).sum().sqrt()
-    out["adam"] = measure()
-    grad_norm = torch.stack([g.square().sum() for g in grads]).sum().sqrt()
-    with torch.no_grad():
-        for p, s, g in zip(params, saved, grads):
-            p.copy_(s - length / grad_norm * g)
-    out["sgd"] = measure()
-    with torch.no_grad():
+        grad_norm = torch.stack([torch.zeros(()) if p.grad is None else p.grad.square().sum() for p in params]).sum().sqrt()
         for p, s in zip(params, saved):
-            p.copy_(s)
-    opt.load_state_dict(opt_state)
+            p.copy_(s if p.grad is None else s - length / grad_norm * p.grad)
+    result["sgd"] = measure()
     opt.zero_grad(set_to_none=True)
-    return out
+    return result
 
 
 def config_dict(cfg: AnalysisConfig) -> dict:
@@ -371,3 +502,102 @@ def config_dict(cfg: AnalysisConfig) -> dict:
     d = asdict(cfg)
     d["ks"] = list(cfg.ks)
     return d
+
+
+def _check_resumable(cfg: AnalysisConfig, run_file: Path) -> None:
+    """Writes run.json for a new run; for an existing one, checks that only the stopping settings changed."""
+    import json
+
+    mine = {k: v for k, v in config_dict(cfg).items() if k not in STOPPING}
+    if not run_file.exists():
+        write_text_atomic(run_file, json.dumps(mine, indent=1))
+        return
+    theirs = json.loads(run_file.read_text())
+    changed = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if changed:
+        raise ValueError(
+            f"{run_file.parent} holds finished rounds of a run with other settings ({', '.join(changed)}): "
+            "rerun with that run's settings to continue it, or choose another --out."
+        )
+
+
+def record_masks(rec: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """The masks' decisions {"beyond", "keep"} of a flat record, for the methods it has."""
+    names = (m.name for m in direction_methods())
+    return {n: {"beyond": rec[f"mask/{n}/beyond"], "keep": rec[f"mask/{n}/keep"]} for n in names if f"mask/{n}/keep" in rec}
+
+
+def paper_disagreements(rec: dict[str, Tensor]) -> dict[str, int]:
+    """Per kind: tokens of a record where one of the paper's top-K predictive estimators (as a mask) and
+    DPPO's top-K mask decide differently — all of them get autograd truth; the run's stopping count."""
+    masks = record_masks(rec)
+    return {kind: int(disagreements(masks, kind, PAPER_ESTIMATORS).sum()) if masks else 0 for kind in KINDS}
+
+
+def _round_line(index: int, rec: dict[str, Tensor], seconds: float, counts: dict[str, int]) -> str:
+    """One line on a finished round: its tokens, those beyond δ, the autograd truths, the running target count."""
+    if not len(rec["adv"]):
+        return f"round {index}: no token with A != 0; {seconds:.0f} s"
+    beyond = ", ".join(f"{k.upper()} {int(rec[f'beyond/{k}'].sum())}" for k in KINDS)
+    truths = ", ".join(f"{k.upper()} {int(torch.isfinite(rec[f'truth/{k}/own_sgd']).sum())}" for k in KINDS)
+    so_far = ", ".join(f"{k.upper()} {v}" for k, v in counts.items())
+    return (f"round {index}: {len(rec['adv'])} tokens, beyond δ {beyond}; own-step truths {truths}; {seconds:.0f} s; "
+            f"the paper's masks and DPPO's differed so far on {so_far}")
+
+
+def run_analysis(
+    cfg: AnalysisConfig,
+    policy: nn.Module,
+    task: Task,
+    engine_factory: Callable[[nn.Module], RolloutEngine],
+    out_dir: Path,
+    progress: Callable[[str, int], Callable[[], None]] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[TokenResults, dict[str, float]]:
+    """Runs rounds (the module docstring) on a warm-started ``policy`` until ``cfg.rounds`` or the target.
+
+    Finished rounds live in ``out_dir/rounds``; those already there (from a killed run with the same
+    settings) are loaded, not recomputed. ``engine_factory(policy)`` builds the rollout engine (the lab's
+    RolloutEngine with full log-probs); ``progress(label, total)`` returns a callback that advances a
+    progress bar by one (a label seen before resets its bar); ``log(line)`` reports each finished round.
+    Returns the results of every round and the summed timings of the rounds computed in this call.
+    """
+    cfg.validate()
+    rounds_dir = out_dir / "rounds"
+    rounds_dir.mkdir(parents=True, exist_ok=True)
+    _check_resumable(cfg, out_dir / "run.json")
+    start = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    engine = engine_factory(policy)
+    times: dict[str, float] = {}
+    records: list[dict[str, Tensor]] = []
+    counts = dict.fromkeys(KINDS, 0)
+    advance = progress("rounds", cfg.rounds) if progress else None
+    for index in range(cfg.rounds):
+        path = rounds_dir / ROUND_FILE.format(index)
+        computed = not path.exists()
+        if computed:
+            policy.load_state_dict(start)
+            rec, round_times = run_round(cfg, index, policy, engine, task, progress)
+            save_atomic({"round": index, "tokens": rec, "timing": round_times}, path)
+            for k, v in round_times.items():
+                times[k] = times.get(k, 0.0) + v
+        else:
+            rec = torch.load(path, weights_only=True)["tokens"]
+        records.append(rec)
+        if advance:
+            advance()
+        for kind, c in paper_disagreements(rec).items():
+            counts[kind] += c
+        if log and computed:
+            log(_round_line(index, rec, sum(round_times.values()), counts))
+        if cfg.target_disagreements is not None and min(counts.values()) >= cfg.target_disagreements:
+            break
+    policy.load_state_dict(start)
+    records = [r for r in records if len(r["adv"])]
+    if not records:
+        raise ValueError(
+            "no response token of the analysed minibatches has A != 0 (every group got equal rewards): "
+            "use more prompts, a larger group, another seed or --advantages random."
+        )
+    times["rounds_analysed"] = float(len(records))
+    return TokenResults.from_records(records), times

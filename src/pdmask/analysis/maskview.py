@@ -27,10 +27,17 @@ def direction_methods() -> list[MaskMethod]:
     return [m for m in METHODS.values() if m.rule in DIRECTION_RULES]
 
 
+def counterpart(method: MaskMethod) -> str:
+    """The ratio-sign mask with the same divergence and information as ``method`` (itself for ``dppo_*``):
+    ``pdm_aggregated_kl`` -> ``dppo_topk_kl``. Both compute the same D, so they differ only in direction."""
+    return f"dppo_{method.info}_{method.kind}"
+
+
 def mask_decisions(stats: PolicyStats, advantages: Tensor, delta: Mapping[str, float]) -> dict[str, dict[str, Tensor]]:
     """Per direction method: "beyond" (its own D estimate > δ, never where A = 0) and "keep" (its mask), bool [...].
 
-    ``stats`` must carry every method's information (top-K and full μ); ``delta`` maps kind -> δ (both sides).
+    ``stats`` must carry every method's information (top-K and full μ, and the LM head's sums for the
+    kernel-aware masks: ``policy_stats(..., head_weight=W)``); ``delta`` maps kind -> δ (both sides).
     """
     out = {}
     for m in direction_methods():
@@ -40,6 +47,18 @@ def mask_decisions(stats: PolicyStats, advantages: Tensor, delta: Mapping[str, f
         assert decision.beyond is not None  # a direction rule always has a beyond-δ set
         out[m.name] = {"beyond": decision.beyond, "keep": decision.keep}
     return out
+
+
+def paired_view(keep: Tensor, other_keep: Tensor, truth: Tensor, clusters: Tensor, sample: Tensor | None = None) -> dict:
+    """Where a predictive mask and its ratio-sign counterpart decide differently (bool [n] each; such tokens
+    are beyond δ), the share on which the truth [n] (NaN = unmeasured, 0 skipped) sides with the predictive
+    mask: it drops exactly the tokens whose own update raises D. With a clustered 95% Wilson interval.
+    ``sample`` (bool [n]) restricts it to a uniform sample of the disagreements (default: every one)."""
+    valid = (keep != other_keep) & torch.isfinite(truth) & (truth != 0)
+    if sample is not None:
+        valid &= sample
+    right = (~keep) == (truth > 0)
+    return clustered_rate(right[valid], clusters[valid])
 
 
 def mask_view(beyond: Tensor, keep: Tensor, truth: Tensor, population: Tensor, clusters: Tensor) -> dict:

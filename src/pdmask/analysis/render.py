@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pdmask import jsonio
 from pdmask.analysis.figures import write_plots
-from pdmask.analysis.tables import MASK_COLUMNS, SUBSETS, TRUTHS, mask_rows, pi_bucket_labels
+from pdmask.analysis.tables import MASK_COLUMNS, PAIRED_TRUTHS, SUBSETS, TRUTHS, mask_rows, paired_rows, pi_bucket_labels
 
 
 def _pct(cell: dict) -> str:
@@ -35,7 +35,7 @@ def verdict(summary: dict) -> list[str]:
         name = kind.upper()
         for tname, label in (("own_sgd", "plain step"), ("own_adam", "Adam step")):
             sig = per_truth[tname]
-            pdm, ratio, diff = sig["pdm_full"]["all"], sig["ratio"]["all"], sig["pdm_full"]["differs_from_ratio"]
+            pdm, ratio, diff = sig["pdm_full"]["all"], sig["ratio"]["all"], sig["pdm_full"]["differs_beyond_delta"]
             if not pdm["n"]:
                 continue
             head = (
@@ -43,7 +43,7 @@ def verdict(summary: dict) -> list[str]:
                 f"{_pct(pdm)} of {pdm['n']} uniformly sampled tokens, the ratio sign on {_pct(ratio)}."
             )
             if diff["n"] == 0:
-                lines.append(head + " They never disagree on this sample.")
+                lines.append(head + " They never disagree beyond δ in this run.")
                 continue
             if diff["lo"] > 0.5:
                 call = "PDM is right more often than the ratio sign there"
@@ -51,10 +51,10 @@ def verdict(summary: dict) -> list[str]:
                 call = "the ratio sign is right more often than PDM there"
             else:
                 call = "the difference is not significant (the 95% interval contains 50%)"
-            lines.append(head + f" Where they disagree ({diff['n']} tokens) PDM is right on {_pct(diff)}: {call}.")
-        gw = per_truth["own_sgd"].get("gw_full", {}).get("all")
+            lines.append(head + f" Where they disagree beyond δ ({diff['n']} tokens) PDM is right on {_pct(diff)}: {call}.")
+        gw = per_truth["own_sgd"].get("pdm_kernel_full", {}).get("all")
         if gw and gw["n"]:
-            lines.append(f"{name}: the kernel-aware G_W (experimental) matches the plain-step truth on {_pct(gw)}.")
+            lines.append(f"{name}: the kernel-aware G_W matches the plain-step truth on {_pct(gw)} of the uniform sample.")
         head = per_truth["head"]["pdm_full"]["all"]
         if head["n"]:
             ok = "holds" if head["k"] == head["n"] else "FAILS"
@@ -71,8 +71,17 @@ def verdict(summary: dict) -> list[str]:
     return lines
 
 
+def _side(cell: dict) -> str:
+    if cell["lo"] > 0.5:
+        return "the truth sides with the predictive mask"
+    if cell["hi"] < 0.5:
+        return "the truth sides with the ratio sign"
+    return "not significant"
+
+
 def _mask_verdict(summary: dict, kind: str) -> list[str]:
-    """One line per rule: each method's unsafe-keep rate (own plain step) among its kept tokens beyond δ."""
+    """One line per rule: each method's unsafe-keep rate (own plain step) among its kept tokens beyond δ;
+    then, per predictive mask, which side the truths take where it and its ratio-sign counterpart differ."""
     lines = []
     for rule, words in (("dppo", "ratio-sign masks"), ("pdm", "predictive masks")):
         cells = [
@@ -87,6 +96,12 @@ def _mask_verdict(summary: dict, kind: str) -> list[str]:
             )
         else:
             lines.append(f"{kind.upper()}, {words}: no kept token beyond δ has autograd truth in this run.")
+    for label, differ, cells in paired_rows(summary, kind):
+        if not differ or differ == "0":
+            continue
+        parts = [f"{t} {_pct(c)} ({_side(c)})" for t, c in zip(PAIRED_TRUTHS, cells) if c["n"]]
+        lines.append(f"{kind.upper()}, {label}: they decide differently on {differ} tokens; right by the predictive mask: "
+                     + "; ".join(parts) + ".")
     return lines
 
 
@@ -104,11 +119,13 @@ def write_report(out_dir: Path, summary: dict, meta: dict) -> Path:
             f"## {kind.upper()}",
             "",
             (
-                f"{c['tokens']} tokens (A ≠ 0), {c['sampled']} with autograd ground truth; "
+                f"{c['tokens']} tokens (A ≠ 0) of {c['responses']} responses, {c['sampled']} in the uniform sample; "
                 f"D mean {c['divergence_mean']:.4g}, max {c['divergence_max']:.4g}; "
-                f"{c['beyond_delta']} beyond δ = {meta['config']['delta'][kind]} ({c['beyond_delta_sampled']} sampled); "
-                f"PDM full and the ratio sign differ on {c['pdm_full_differs_from_ratio']} "
-                f"({c['differs_with_truth']} with autograd truth)."
+                f"{c['beyond_delta']} beyond δ = {meta['config']['delta'][kind]} ({c['beyond_delta_sampled']} in the "
+                f"beyond-δ sample); PDM full and the ratio sign differ on {c['pdm_full_differs_from_ratio']}, "
+                f"{c['differs_beyond_delta']} of them beyond δ; the paper's masks and DPPO's differ on "
+                f"{c['paper_masks_differ_from_dppo']}; autograd truth on every one of the {c['targeted']} tokens where "
+                "a predictive mask and its ratio-sign counterpart differ."
             ),
             "",
         ]
@@ -141,15 +158,27 @@ def _mask_md(summary: dict, kind: str) -> list[str]:
     md = [
         "### Mask view: unsafe keeps and wasted drops beyond δ",
         "",
-        "Unsafe keep: share of the kept tokens beyond δ whose own update raises D; wasted drop: share of the "
-        "dropped tokens whose own update would have lowered D. Uniform sample; % [95% Wilson interval on the "
-        "effective number of tokens, clustered by response] k/n.",
+        "Unsafe keep: share of the kept tokens beyond δ whose update raises D; wasted drop: share of the "
+        "dropped tokens whose update would have lowered D. Own-update truths over the uniform sample of the "
+        "tokens beyond δ, the real step's over all of them; % [95% Wilson interval on the effective number of "
+        "tokens, clustered by response] k/n.",
         "",
         "| method | D > δ / dropped (all tokens) | beyond δ with truth | " + " | ".join(h for *_, h in MASK_COLUMNS) + " |",
         "|---" * (len(MASK_COLUMNS) + 3) + "|",
     ]
     for name, acted, sampled, cells in mask_rows(summary, kind):
         md += [f"| {name} | {acted} | {sampled} | " + " | ".join(share_cell(c) for c in cells) + " |"]
+    md += [
+        "",
+        "Where a predictive mask and its ratio-sign counterpart (same D) decide differently: the share of those "
+        "tokens on which the truth sides with the predictive mask (it drops exactly the tokens whose update raises "
+        "D). Every such token has autograd truth; % [95% clustered Wilson] k/n.",
+        "",
+        "| predictive mask vs ratio sign | tokens where they differ | " + " | ".join(TRUTHS[t] for t in PAIRED_TRUTHS) + " |",
+        "|---" * (len(PAIRED_TRUTHS) + 2) + "|",
+    ]
+    for label, differ, cells in paired_rows(summary, kind):
+        md += [f"| {label} | {differ} | " + " | ".join(share_cell(c) for c in cells) + " |"]
     return md + [""]
 
 

@@ -9,8 +9,15 @@ import torch
 from torch import Tensor
 
 from pdmask import METHODS
-from pdmask.analysis.experiment import TokenResults
-from pdmask.analysis.maskview import mask_view
+from pdmask.analysis.experiment import (
+    ALWAYS_MEASURED,
+    AUTOGRAD_TRUTHS,
+    FULL_ESTIMATORS,
+    PAPER_ESTIMATORS,
+    TokenResults,
+    disagreements,
+)
+from pdmask.analysis.maskview import counterpart, mask_view, paired_view
 from pdmask.analysis.rates import wilson
 
 #: Ground truths, in the order reported. "own_*" are autograd first-order changes on the token sample.
@@ -24,10 +31,12 @@ TRUTHS = {
 SUBSETS = {
     "all": "all tokens",
     "beyond_delta": "tokens with D > δ (where the mask acts)",
-    "differs_from_ratio": "tokens where PDM full and the ratio sign disagree (where the choice matters)",
+    "differs_beyond_delta": "tokens with D > δ where PDM full and the ratio sign disagree (where the choice matters)",
 }
-#: Truths of the mask view: the token's own first-order change (and check 5's output layer alone).
-MASK_TRUTHS = ("own_sgd", "own_adam", "head")
+#: Truths of the mask view: the token's own first-order change, the real step (and check 5's output layer alone).
+MASK_TRUTHS = ("own_sgd", "own_adam", "step_adam", "head")
+#: Truths of the paired comparison where a predictive mask and its ratio-sign counterpart decide differently.
+PAIRED_TRUTHS = ("own_sgd", "own_adam", "step_adam")
 #: π(a) bucket edges: confident tokens behave differently from unlikely ones (the softmax coupling).
 PI_EDGES = (0.0, 0.1, 0.5, 0.9, 1.0)
 
@@ -54,32 +63,44 @@ def pi_bucket_labels() -> list[str]:
     return [f"{lo:g}–{hi:g}" for lo, hi in itertools.pairwise(PI_EDGES)]
 
 
+def _populations(res: TokenResults, tname: str) -> tuple[Tensor, Tensor]:
+    """(all tokens, tokens beyond δ for any mask) as a truth measures them without bias: autograd truths on
+    their uniform samples, the real step's on every token."""
+    if tname in AUTOGRAD_TRUTHS:
+        return res.sampled, res.beyond_sampled
+    everyone = torch.ones_like(res.sampled)
+    return everyone, everyone
+
+
 def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
     """All agreement rates (per kind, truth, signal, subset and π(a) bucket), the mask view and the top-K tracking."""
     out: dict = {"agreement": {}, "topk_tracking": {}, "counts": {}, "mask_view": summarize_masks(res, delta)}
     bucket = torch.bucketize(res.pi_a, torch.tensor(PI_EDGES[1:-1], dtype=res.pi_a.dtype), right=True)
     labels = pi_bucket_labels()
-    everyone = torch.ones_like(res.pi_a, dtype=torch.bool)
     for kind, signals in res.signals.items():
         beyond = res.beyond[kind]
         differ = torch.sign(signals["ratio"]) != torch.sign(signals["pdm_full"])
         out["counts"][kind] = {
             "tokens": len(res.pi_a),
+            "responses": len(res.row.unique()),
             "sampled": int(res.sampled.sum()),
             "beyond_delta": int(beyond.sum()),
-            "beyond_delta_sampled": int((beyond & res.sampled).sum()),
+            "beyond_delta_sampled": int((beyond & res.beyond_sampled).sum()),
             "pdm_full_differs_from_ratio": int(differ.sum()),
-            "differs_with_truth": int((differ & (res.sampled | res.targeted)).sum()),
+            # Every one of these has autograd truth: pdm_full and dppo_full decide differently there.
+            "differs_beyond_delta": int((differ & beyond).sum()),
+            "paper_masks_differ_from_dppo": int(disagreements(res.masks, kind, PAPER_ESTIMATORS).sum()),
+            "targeted": int(res.targeted[kind].sum()),
             "divergence_mean": res.div[kind].mean().item(),
             "divergence_max": res.div[kind].max().item(),
         }
         per_truth: dict = {}
         for tname in TRUTHS:
             truth = res.truth[kind][tname]
-            # Autograd truths exist on the uniform sample plus the targeted disagreements: rates over
-            # all tokens, beyond δ and by π(a) use the uniform sample only, so they stay unbiased.
-            population = res.sampled if torch.isnan(truth).any() else everyone
-            subsets = {"all": population, "beyond_delta": population & beyond, "differs_from_ratio": differ}
+            # Autograd truths exist on uniform samples plus every disagreement beyond δ: rates over all
+            # tokens, beyond δ and by π(a) use the uniform samples only, so they stay unbiased.
+            population, beyond_population = _populations(res, tname)
+            subsets = {"all": population, "beyond_delta": beyond_population & beyond, "differs_beyond_delta": differ & beyond}
             per_signal: dict = {}
             for sname, sig in signals.items():
                 cells = {name: agreement(sig, truth, sub) for name, sub in subsets.items()}
@@ -90,9 +111,10 @@ def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
         raw = res.raw_g[kind]
         tracking: dict = {}
         for name, g in raw.items():
-            if name in ("full", "gw_full"):
+            if name in FULL_ESTIMATORS:
                 continue
-            ref = raw["gw_full"] if name.startswith("gw") else raw["full"]
+            # Each top-K estimator against its full-μ version: the kernel-aware one against kernel_full.
+            ref = raw["kernel_full"] if name.startswith("kernel") and "kernel_full" in raw else raw["full"]
             same = torch.sign(g) == torch.sign(ref)
             tracking[name] = {"sign_match": same.double().mean().item(), "corr": _pearson(g, ref), "n": len(g)}
         out["topk_tracking"][kind] = tracking
@@ -100,10 +122,11 @@ def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
 
 
 def summarize_masks(res: TokenResults, delta: dict[str, float]) -> dict:
-    """Per direction method: how often it acts (all tokens) and its unsafe keeps / wasted drops per truth.
+    """Per direction method: how often it acts (all tokens), its unsafe keeps / wasted drops per truth, and
+    for a predictive mask, which side the truths take where it and its ratio-sign counterpart disagree.
 
-    The truths are autograd ones, so the rates use the uniform sample (unbiased); intervals are
-    Wilson on the effective number of tokens, clustered by response.
+    Autograd truths are rated over the uniform sample of the tokens beyond δ (unbiased), the real step's
+    over every token; intervals are Wilson on the effective number of tokens, clustered by response.
     """
     out: dict = {}
     for name, dec in res.masks.items():
@@ -120,9 +143,19 @@ def summarize_masks(res: TokenResults, delta: dict[str, float]) -> dict:
             "dropped": dropped,
             "drop_share": dropped / beyond if beyond else None,
         } | {
-            tname: mask_view(dec["beyond"], dec["keep"], res.truth[m.kind][tname], res.sampled, res.row)
+            tname: mask_view(dec["beyond"], dec["keep"], res.truth[m.kind][tname], _populations(res, tname)[1], res.row)
             for tname in MASK_TRUTHS
         }
+        other = counterpart(m)
+        if m.rule == "pdm" and other in res.masks:
+            other_keep = res.masks[other]["keep"]
+            # Autograd truths: every disagreement of the ALWAYS_MEASURED estimators, a uniform sample of the others'.
+            sample = None if m.estimator in ALWAYS_MEASURED else res.disagree_sampled[m.kind]
+            out[name]["paired"] = {"counterpart": other, "differ": int((dec["keep"] != other_keep).sum())} | {
+                tname: paired_view(dec["keep"], other_keep, res.truth[m.kind][tname], res.row,
+                                   None if tname not in AUTOGRAD_TRUTHS else sample)
+                for tname in PAIRED_TRUTHS
+            }
     return out
 
 
@@ -132,11 +165,13 @@ MASK_COLUMNS = (
     ("own_sgd", "wasted_drop", "wasted drop, own step"),
     ("own_adam", "unsafe_keep", "unsafe keep, own Adam"),
     ("own_adam", "wasted_drop", "wasted drop, own Adam"),
+    ("step_adam", "unsafe_keep", "unsafe keep, real step"),
+    ("step_adam", "wasted_drop", "wasted drop, real step"),
 )
 
 
 def mask_rows(summary: dict, kind: str) -> list[tuple[str, str, str, list[dict]]]:
-    """(method, "beyond δ / dropped" of all tokens, beyond δ with truth in the sample, MASK_COLUMNS cells) per method of ``kind``."""
+    """(method, "beyond δ / dropped" of all tokens, beyond δ with own truth in the sample, MASK_COLUMNS cells) per method of ``kind``."""
     rows = []
     for name, v in summary["mask_view"].items():
         if v["kind"] != kind:
@@ -147,14 +182,25 @@ def mask_rows(summary: dict, kind: str) -> list[tuple[str, str, str, list[dict]]
     return rows
 
 
+def paired_rows(summary: dict, kind: str) -> list[tuple[str, str, list[dict]]]:
+    """(predictive method vs its counterpart, tokens where they differ, PAIRED_TRUTHS cells) per method of ``kind``."""
+    return [
+        (f"{name} vs {v['paired']['counterpart']}", str(v["paired"]["differ"]), [v["paired"][t] for t in PAIRED_TRUTHS])
+        for name, v in summary["mask_view"].items()
+        if v["kind"] == kind and "paired" in v
+    ]
+
+
 __all__ = [
     "MASK_COLUMNS",
     "MASK_TRUTHS",
+    "PAIRED_TRUTHS",
     "PI_EDGES",
     "SUBSETS",
     "TRUTHS",
     "agreement",
     "mask_rows",
+    "paired_rows",
     "pi_bucket_labels",
     "summarize",
     "summarize_masks",

@@ -13,6 +13,7 @@ method is used, so the signals can be checked against it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -47,6 +48,7 @@ def own_change(
     preconditioners: dict[str, Sequence[Tensor] | None],
     kinds: Sequence[str] = KINDS,
     batch_elems: int = 1 << 26,
+    need: Tensor | None = None,
 ) -> dict[tuple[str, str], Tensor]:
     """First-order change of each sampled token's divergence under its own update, for one sequence.
 
@@ -60,13 +62,16 @@ def own_change(
         preconditioners: name -> per-parameter P (same shapes as ``params``), or None for a plain step.
         kinds: divergences to differentiate.
         batch_elems: bound on gradient elements held at once: the backward passes of several tokens
-            run as one vmapped pass while (passes × parameters) stays under it.
+            run as one vmapped pass while (passes × parameters) stays under it; above it (large models)
+            each token takes one backward pass per scalar, and only the kinds ``need`` asks for.
+        need: bool [n, len(kinds)], which (token, kind) to measure (default: all); NaN elsewhere.
 
     Returns:
         (kind, preconditioner name) -> A_t·⟨∇_θ D_t, P ⊙ ∇_θ log π_t(a_t)⟩ [n], float64.
     """
     n = len(positions)
-    out = {(k, name): torch.zeros(n, dtype=torch.float64) for k in kinds for name in preconditioners}
+    need = torch.ones(n, len(kinds), dtype=torch.bool) if need is None else need
+    out = {(k, name): torch.full((n,), math.nan, dtype=torch.float64) for k in kinds for name in preconditioners}
     if n == 0:
         return out
     params = list(params)
@@ -76,7 +81,11 @@ def own_change(
     # Per token: its log-prob, then its divergence of each kind.
     scalars = torch.stack([logp_a, *(full_divergence(logits, mu_logp, k) for k in kinds)], 1)  # [n, 1 + K]
     rows = scalars.shape[1]
-    per_chunk = max(1, batch_elems // (rows * sum(p.numel() for p in params)))
+    size = sum(p.numel() for p in params)
+    if rows * size > batch_elems:
+        _own_change_per_token(scalars, params, advantages, preconditioners, kinds, need, out)
+        return out
+    per_chunk = max(1, batch_elems // (rows * size))
     for start in range(0, n, per_chunk):
         sl = slice(start, min(n, start + per_chunk))
         grads = _batched_grads(scalars[sl].reshape(-1), params, batch_elems)
@@ -88,8 +97,39 @@ def own_change(
                 inner[name] += torch.linalg.vecdot(g[:, 1:], step).double()
         for name, value in inner.items():
             for j, kind in enumerate(kinds):
-                out[(kind, name)][sl] = advantages[sl].double() * value[:, j]
+                out[(kind, name)][sl] = torch.where(need[sl, j], advantages[sl].double() * value[:, j], math.nan)
     return out
+
+
+def _own_change_per_token(
+    scalars: Tensor,
+    params: list[Tensor],
+    advantages: Tensor,
+    preconditioners: dict[str, Sequence[Tensor] | None],
+    kinds: Sequence[str],
+    need: Tensor,
+    out: dict[tuple[str, str], Tensor],
+) -> None:
+    """``own_change`` for large models: per token one backward pass for log π(a), then one per needed kind.
+
+    At most two gradients (one token's ∇ log π(a) and ∇ D) are held at once; P ⊙ ∇ log π(a) is formed one
+    parameter at a time.
+    """
+    for t in range(len(scalars)):
+        if not need[t].any():
+            continue
+        g = torch.autograd.grad(scalars[t, 0], params, retain_graph=True, materialize_grads=True)
+        for j, kind in enumerate(kinds):
+            if not need[t, j]:
+                continue
+            gd = torch.autograd.grad(scalars[t, 1 + j], params, retain_graph=True, materialize_grads=True)
+            for name, weight in preconditioners.items():
+                inner = 0.0
+                for i, (x, y) in enumerate(zip(gd, g)):
+                    step = y if weight is None else y * weight[i]
+                    inner += float(torch.dot(x.reshape(-1), step.reshape(-1)))
+                out[(kind, name)][t] = float(advantages[t]) * inner
+            del gd
 
 
 def _batched_grads(targets: Tensor, params: list[Tensor], batch_elems: int) -> list[Tensor]:
