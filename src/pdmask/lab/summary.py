@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pdmask import get_method
 from pdmask.lab.intervals import compare_methods, mean_ci, paired, pooled_sd
 from pdmask.lab.presets import Sweep
 from pdmask.lab.sweep import run_dir, setting_name
@@ -220,9 +221,9 @@ def trust_region_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] 
 
 
 def _dppo_twin(method: str) -> str:
-    """The DPPO mask with the same divergence and information as pdm_<estimator>_<kind>."""
-    _, estimator, kind = method.split("_")
-    return f"dppo_{'full' if estimator == 'full' else 'topk'}_{kind}"
+    """The DPPO mask with the same divergence and information about μ as a pdm_* method."""
+    m = get_method(method)
+    return f"dppo_{m.needs}_{m.kind}"
 
 
 def pdm_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
