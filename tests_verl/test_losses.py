@@ -12,6 +12,7 @@ from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
 import pdmask
 from pdmask.integrations.verl import BINARY_METHODS, TOPK_METHODS, check_verl_version
 from pdmask.integrations.verl.losses import binary_stats
+from pdmask.integrations.verl.topk import HEAD_METHODS
 from pdmask.methods import RENAMED_METHODS
 
 from conftest import actor_config
@@ -32,10 +33,23 @@ def test_import_verl_registers_the_losses():
         "print(sorted(k for k in R if k.startswith('pdmask_')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    names = (*BINARY_METHODS, *TOPK_METHODS, *RENAMED_METHODS)  # earlier names stay registered, deprecated
+    names = (*BINARY_METHODS, *TOPK_METHODS, *HEAD_METHODS, *RENAMED_METHODS)  # earlier names stay registered, deprecated
     assert out.strip() == str(sorted(f"pdmask_{m}" for m in names))
     assert set(BINARY_METHODS) == {"ppo_clip", "pg_is", "dppo_binary_tv", "dppo_binary_kl"}
     assert {"pdm_proportional_tv", "pdm_aggregated_kl", "pdm_uniform_tv", "dppo_topk_kl"} <= set(TOPK_METHODS)
+
+
+def test_kernel_aware_modes_say_why_verl_cannot_run_them(binary_batch):
+    from verl.workers.config import PolicyLossConfig
+
+    from pdmask.integrations.verl import PDMLoss
+
+    assert set(HEAD_METHODS) == {n for n, m in pdmask.METHODS.items() if m.needs_head} and not set(HEAD_METHODS) & set(TOPK_METHODS)
+    with pytest.raises(ValueError, match="hidden states and the LM head"):
+        PDMLoss(actor_config(policy_loss=PolicyLossConfig(loss_mode="pdmask_pdm_kernel_topk_kl")))
+    old, new, adv, mask = binary_batch
+    with pytest.raises(ValueError, match="hidden states and the LM head"):
+        get_policy_loss_fn("pdmask_pdm_kernel_topk_kl")(old, new, adv, mask, "token-mean", actor_config(), None)
 
 
 def test_an_earlier_loss_mode_name_warns_and_maps():
