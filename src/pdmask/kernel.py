@@ -3,8 +3,8 @@
 A token's own plain gradient step (size η, advantage A) moves its logits by Δz = ηA·Θ(e_a − π), where
 Θ = ‖h‖²·I (+ I with a bias) comes from the LM head and W K Wᵀ from the backbone (K = J Jᵀ, J = ∂h/∂θ).
 With K ≈ κ·I the first-order change of D is ηA·(‖h‖²·G + κ·G_W), G_W = ⟨Wᵀ∇_z D, Wᵀ(e_a − π)⟩.
-Measured κ/‖h‖² is far above 1 (docs/method.md), so the backbone term decides the sign and the
-``pdm_kernel_*`` masks use G_W. It needs the LM head W [V, d]: ``PolicyStats.head`` (``HeadMeans``).
+The backbone term is the larger one at the median on TinyGPT and SmolLM2 (``pdmask kernel-scale``,
+docs/method.md), so the ``pdm_kernel_*`` masks use G_W. It needs the LM head W [V, d]: ``PolicyStats.head`` (``HeadMeans``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,22 @@ from pdmask.vocab_pass import set_rows_dot
 KERNEL_ESTIMATORS = ("kernel_full", "kernel_topk")
 
 
+#: Elements of the [rows, d] temporaries made at once while G_W is formed (the outputs are [N, d] already).
+ROW_ELEMENTS = 1 << 20
+
+
 def kernel_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
     """G_W = ⟨Wᵀ∇_z D, Wᵀ(e_a − π)⟩ [...] for D = TV (kind "tv") or KL(μ‖π) ("kl").
 
     ∇_z KL = π − μ; ∇_z TV = ½ π ⊙ (s − ⟨s, π⟩), s = sign(π − μ). ``kernel_full`` uses the full μ;
     ``kernel_topk`` knows μ on S and takes μ_j = π_j·μ_R/π_R off S, so every tail id has s_R = sign(π_R − μ_R).
+    Wᵀ∇_z D is a weighted sum of the pass's d-vectors plus rows of W at S; it is formed a slice of rows at a time.
     """
     head = require_head(stats)
-    pi_mean = head.pi
+    n = stats.logp.numel()
+    rows = lambda x: x.reshape(n, -1)  # [..., k] -> [n, k]
+    flat = lambda x: x.reshape(n, 1)  # a per-position weight [...] -> [n, 1]
+    set_coef = None
     if estimator == "kernel_full":
         if stats.full is None or head.mu is None or head.sign_pi is None:
             raise ValueError(
@@ -35,25 +43,37 @@ def kernel_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
                 "pass RolloutLogprobs(full_logp=...) to policy_stats(..., head_weight=W)."
             )
         if kind == "kl":
-            grad = pi_mean - head.mu
+            terms = [(1.0, rows(head.pi)), (-1.0, rows(head.mu))]
         else:
-            grad = 0.5 * (head.sign_pi - stats.full.sign_pi.unsqueeze(-1) * pi_mean)
+            terms = [(0.5, rows(head.sign_pi)), (-0.5 * flat(stats.full.sign_pi), rows(head.pi))]
     elif estimator == "kernel_topk":
         # Off S, π_j − μ_j = (1 − ρ)·π_j with ρ = μ_R/π_R: the tail enters through Σ_{j∉S} π_j w_j.
         pi_s, mu_s = stats.set_pi, stats.set_mu
         pi_r, mu_r = stats.rest_mass, stats.rollout_rest_mass
         if kind == "kl":
             rho = torch.where(pi_r > 0, mu_r / pi_r.clamp_min(torch.finfo(pi_r.dtype).tiny), 0.0)
-            grad = _rows_dot(stats, head, pi_s - mu_s) + (1 - rho).unsqueeze(-1) * head.tail
+            set_coef, terms = pi_s - mu_s, [(flat(1 - rho), rows(head.tail))]
         else:
             s_set, s_rest = torch.sign(pi_s - mu_s), torch.sign(pi_r - mu_r)
             s_bar = (s_set * pi_s).sum(-1) + s_rest * pi_r
-            set_coef = pi_s * (s_set - s_bar.unsqueeze(-1))
-            grad = 0.5 * (_rows_dot(stats, head, set_coef) + (s_rest - s_bar).unsqueeze(-1) * head.tail)
+            set_coef = 0.5 * pi_s * (s_set - s_bar.unsqueeze(-1))
+            terms = [(flat(0.5 * (s_rest - s_bar)), rows(head.tail))]
+        set_coef = rows(set_coef.masked_fill(~stats.set_valid, 0.0))
     else:
         raise ValueError(f"estimator must be one of {KERNEL_ESTIMATORS}, got {estimator!r}.")
-    w_a = head.weight[stats.set_ids[..., -1]].to(pi_mean.dtype)
-    return (grad * (w_a - pi_mean)).sum(-1)
+    pi_mean, ids = rows(head.pi), stats.set_ids.reshape(n, -1)
+    out = torch.empty(n, dtype=pi_mean.dtype, device=pi_mean.device)
+    step = max(1, ROW_ELEMENTS // max(pi_mean.shape[1], 1))
+    for start in range(0, n, step):
+        sl = slice(start, min(start + step, n))
+        grad = torch.zeros_like(pi_mean[sl])
+        for w, x in terms:
+            grad.add_(x[sl] * (w if isinstance(w, float) else w[sl]))
+        if set_coef is not None:
+            grad.add_(set_rows_dot(head.weight, ids[sl], set_coef[sl]))
+        direction = head.weight[ids[sl, -1]].to(grad.dtype).sub_(pi_mean[sl])  # Wᵀ(e_a − π)
+        out[sl] = torch.linalg.vecdot(grad, direction)
+    return out.reshape(stats.logp.shape)
 
 
 def require_head(stats: PolicyStats) -> HeadMeans:
@@ -64,14 +84,6 @@ def require_head(stats: PolicyStats) -> HeadMeans:
             "pdmask.policy_stats, or need_kernel=True to pdmask.policy_stats_from_hidden."
         )
     return stats.head
-
-
-def _rows_dot(stats: PolicyStats, head: HeadMeans, coef: Tensor) -> Tensor:
-    """Σ_c coef[..., c] · W[S_c] [..., d] over the valid columns of S."""
-    shape = coef.shape
-    ids = stats.set_ids.reshape(-1, shape[-1])
-    flat = coef.masked_fill(~stats.set_valid, 0.0).reshape(-1, shape[-1])
-    return set_rows_dot(head.weight, ids, flat).reshape(shape[:-1] + (-1,))
 
 
 __all__ = ["KERNEL_ESTIMATORS", "kernel_change", "require_head"]

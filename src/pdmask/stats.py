@@ -170,6 +170,8 @@ def policy_stats(
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
     rows = chunk_size or default_chunk(logits, dtype, 3 if need_uniform else 2)
     check_head_weight(head_weight, logits.shape[-1], logits.device)
+    if head_weight is not None:  # cast once: every chunk spans the whole vocabulary
+        head_weight = head_weight.detach().to(dtype)
     acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head_weight)
     source = logits.detach()
     flat_u = prep.flat_even_mu
@@ -266,7 +268,7 @@ def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
         stats.full = FullReductions(*(r.reshape(shape) for r in acc.full))
     if acc.head is not None:
         h = acc.head
-        pi = h.tail + set_rows_dot(h.weight, prep.set_ids, stats.set_pi.reshape(prep.set_ids.shape))
+        pi = set_rows_dot(h.weight, prep.set_ids, stats.set_pi.reshape(prep.set_ids.shape)).add_(h.tail)
         at = lambda x: None if x is None else x.reshape(shape + (-1,))
         stats.head = HeadMeans(h.weight, pi.reshape(shape + (-1,)), at(h.tail), at(h.mu), at(h.sign_pi))
     return stats
