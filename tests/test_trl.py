@@ -270,7 +270,7 @@ def test_ppo_clip_is_grpos_loss(tmp_path) -> None:
     "mask_method",
     [
         "pdm_proportional_tv", "pdm_aggregated_kl", "pdm_uniform_kl", "pdm_exactpi_tv", "pdm_exactpi_kl",
-        "dppo_topk_kl", "pdm_full_kl", "dppo_binary_tv", "pg_is",
+        "dppo_topk_kl", "pdm_full_kl", "dppo_binary_tv", "pg_is", "pdm_kernel_topk_kl", "pdm_kernel_full_tv",
     ],  # fmt: skip
 )
 def test_gradient_is_pdmask_surrogate(tmp_path, mask_method: str) -> None:
@@ -297,8 +297,9 @@ def test_gradient_is_pdmask_surrogate(tmp_path, mask_method: str) -> None:
         topk_logp=batch["pdm_topk_logps"] if needs == "topk" else None,
         full_logp=batch["pdm_full_logps"] if needs == "full" else None,
     )
+    head = reference.get_output_embeddings().weight.detach() if pdmask.METHODS[mask_method].needs_head else None
     loss, metrics = pdmask.policy_loss(mask_method, logits, batch["completion_ids"], rollout, batch["advantages"],
-                                       batch["completion_mask"], "token-mean", **config.mask_thresholds)
+                                       batch["completion_mask"], "token-mean", head_weight=head, **config.mask_thresholds)
     loss.backward()
     for p, g in zip(reference.parameters(), grads):
         torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-4)
