@@ -117,3 +117,16 @@ def test_kernel_full_needs_the_full_mu_in_the_pass():
     stats = policy_stats(logits_of(h, w, b, 1.0), a, topk_only, head_weight=w)
     with pytest.raises(ValueError, match="full"):
         pdmask.decide("pdm_kernel_full_kl", stats, torch.ones(6, dtype=torch.float64))
+
+
+def test_kernel_scale_measures_both_terms(monkeypatch):
+    from pdmask.lab.models import build_policy
+    from pdmask.tools import kernel_scale
+
+    torch.manual_seed(0)
+    policy = build_policy("tiny", vocab_size=64, block_size=16)
+    monkeypatch.setattr(kernel_scale, "_policy_and_prompt", lambda name: (policy, torch.randint(4, 60, (1, 12))))
+    m = kernel_scale.measure("tiny", positions=3, probes=2, seed=0)
+    assert len(m["kappa"]) == len(m["h_sq"]) == 3 and min(m["kappa"]) > 0 and min(m["h_sq"]) > 0
+    for kind in ("kl", "tv"):
+        assert len(m[f"ratio_{kind}"]) == 3 and set(m[f"agree_{kind}"]) <= {0.0, 1.0}
