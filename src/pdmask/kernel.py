@@ -43,9 +43,9 @@ def kernel_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
                 "pass RolloutLogprobs(full_logp=...) to policy_stats(..., head_weight=W)."
             )
         if kind == "kl":
-            terms = [(1.0, rows(head.pi)), (-1.0, rows(head.mu))]
+            terms = [(1.0, None), (-1.0, rows(head.mu))]  # None: Wᵀπ, formed per slice below
         else:
-            terms = [(0.5, rows(head.sign_pi)), (-0.5 * flat(stats.full.sign_pi), rows(head.pi))]
+            terms = [(0.5, rows(head.sign_pi)), (-0.5 * flat(stats.full.sign_pi), None)]
     elif estimator == "kernel_topk":
         # Off S, π_j − μ_j = (1 − ρ)·π_j with ρ = μ_R/π_R: the tail enters through Σ_{j∉S} π_j w_j.
         pi_s, mu_s = stats.set_pi, stats.set_mu
@@ -61,17 +61,20 @@ def kernel_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
         set_coef = rows(set_coef.masked_fill(~stats.set_valid, 0.0))
     else:
         raise ValueError(f"estimator must be one of {KERNEL_ESTIMATORS}, got {estimator!r}.")
-    pi_mean, ids = rows(head.pi), stats.set_ids.reshape(n, -1)
-    out = torch.empty(n, dtype=pi_mean.dtype, device=pi_mean.device)
-    step = max(1, ROW_ELEMENTS // max(pi_mean.shape[1], 1))
+    tail, ids = rows(head.tail), stats.set_ids.reshape(n, -1)
+    set_pi = rows(stats.set_pi)
+    out = torch.empty(n, dtype=tail.dtype, device=tail.device)
+    step = max(1, ROW_ELEMENTS // max(tail.shape[1], 1))
     for start in range(0, n, step):
         sl = slice(start, min(start + step, n))
-        grad = torch.zeros_like(pi_mean[sl])
+        # Wᵀπ = Σ_{j∉S} π_j w_j + Σ_S π_j w_j, made here so that the pass keeps one [N, d] sum, not two.
+        pi_mean = set_rows_dot(head.weight, ids[sl], set_pi[sl]).add_(tail[sl])
+        grad = torch.zeros_like(pi_mean)
         for w, x in terms:
-            grad.add_(x[sl] * (w if isinstance(w, float) else w[sl]))
+            grad.add_((pi_mean if x is None else x[sl]) * (w if isinstance(w, float) else w[sl]))
         if set_coef is not None:
             grad.add_(set_rows_dot(head.weight, ids[sl], set_coef[sl]))
-        direction = head.weight[ids[sl, -1]].to(grad.dtype).sub_(pi_mean[sl])  # Wᵀ(e_a − π)
+        direction = head.weight[ids[sl, -1]].to(grad.dtype).sub_(pi_mean)  # Wᵀ(e_a − π)
         out[sl] = torch.linalg.vecdot(grad, direction)
     return out.reshape(stats.logp.shape)
 

@@ -26,7 +26,6 @@ from pdmask.vocab_pass import (
     prepare,
     rest_of,
     set_columns,
-    set_rows_dot,
     shifted_sums,
     tail_count,
     uniform_pass,
@@ -49,8 +48,7 @@ class HeadMeans:
     """Sums over the unembedding's rows w_j for the kernel-aware direction (``pdmask.kernel``), each [..., d]."""
 
     weight: Tensor  # W [V, d] (detached), the LM head: logits = (h Wᵀ + b) / temperature
-    pi: Tensor  # Wᵀπ = Σ_j π_j w_j
-    tail: Tensor  # Σ_{j∉S} π_j w_j, summed in the pass (not Wᵀπ minus S's part, which cancels)
+    tail: Tensor  # Σ_{j∉S} π_j w_j, summed in the pass (Wᵀπ is this plus S's rows, formed where it is used)
     mu: Tensor | None = None  # Wᵀμ (full μ)
     sign_pi: Tensor | None = None  # Σ_j s_j π_j w_j, s_j = sign(π_j − μ_j) (full μ)
 
@@ -268,9 +266,8 @@ def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
         stats.full = FullReductions(*(r.reshape(shape) for r in acc.full))
     if acc.head is not None:
         h = acc.head
-        pi = set_rows_dot(h.weight, prep.set_ids, stats.set_pi.reshape(prep.set_ids.shape)).add_(h.tail)
         at = lambda x: None if x is None else x.reshape(shape + (-1,))
-        stats.head = HeadMeans(h.weight, pi.reshape(shape + (-1,)), at(h.tail), at(h.mu), at(h.sign_pi))
+        stats.head = HeadMeans(h.weight, h.tail.reshape(shape + (-1,)), at(h.mu), at(h.sign_pi))
     return stats
 
 
