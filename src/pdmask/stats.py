@@ -19,6 +19,7 @@ from pdmask.vocab_pass import (
     Accumulators,
     Buffers,
     GatherLogProb,
+    HeadMeans,
     Prepared,
     default_chunk,
     even_mu,
@@ -41,16 +42,6 @@ class FullReductions:
     mu_dot_pi: Tensor  # ⟨μ, π⟩
     sign_pi: Tensor  # Σ s_i π_i,   s_i = sign(π_i − μ_i)
     sign_pi2: Tensor  # Σ s_i π_i²
-
-
-@dataclass
-class HeadMeans:
-    """Sums over the unembedding's rows w_j for the kernel-aware direction (``pdmask.kernel``), each [..., d]."""
-
-    weight: Tensor  # W [V, d] (detached), the LM head: logits = (h Wᵀ + b) / temperature
-    tail: Tensor  # Σ_{j∉S} π_j w_j, summed in the pass (Wᵀπ is this plus S's rows, formed where it is used)
-    mu: Tensor | None = None  # Wᵀμ (full μ)
-    sign_pi: Tensor | None = None  # Σ_j s_j π_j w_j, s_j = sign(π_j − μ_j) (full μ)
 
 
 @dataclass
@@ -267,7 +258,7 @@ def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
     if acc.head is not None:
         h = acc.head
         at = lambda x: None if x is None else x.reshape(shape + (-1,))
-        stats.head = HeadMeans(h.weight, h.tail.reshape(shape + (-1,)), at(h.mu), at(h.sign_pi))
+        stats.head = HeadMeans(h.weight, h.tail.reshape(shape + (-1,)), at(h.mu), at(h.sign_pi))  # the pass's, shaped
     return stats
 
 

@@ -140,13 +140,14 @@ class Buffers:
 
 
 @dataclass
-class HeadSums:
-    """Sums over the unembedding's rows w_j (W [V, d]) for the kernel-aware direction, each flat [n, d]."""
+class HeadMeans:
+    """Sums over the unembedding's rows w_j for the kernel-aware direction (``pdmask.kernel``): flat [n, d]
+    in a pass, [..., d] in ``PolicyStats.head``."""
 
-    weight: Tensor  # W [V, d], detached
-    tail: Tensor  # Σ_{j∉S} π_j w_j
-    mu: Tensor | None  # Σ_j μ_j w_j (full μ)
-    sign_pi: Tensor | None  # Σ_j s_j π_j w_j, s_j = sign(π_j − μ_j) (full μ)
+    weight: Tensor  # W [V, d] (detached), the LM head: logits = (h Wᵀ + b) / temperature
+    tail: Tensor  # Σ_{j∉S} π_j w_j, summed in the pass (Wᵀπ is this plus S's rows, formed where it is used)
+    mu: Tensor | None = None  # Wᵀμ (full μ)
+    sign_pi: Tensor | None = None  # Σ_j s_j π_j w_j, s_j = sign(π_j − μ_j) (full μ)
 
     def block(self, vocab: slice, dtype: torch.dtype) -> Tensor:
         """The rows W[vocab] [c, d] in the compute dtype."""
@@ -163,7 +164,7 @@ class Accumulators:
     tail_sq: Tensor | None
     full: Tensor | None  # [5, n]
     uniform: Tensor | None  # [2, n]
-    head: HeadSums | None = None
+    head: HeadMeans | None = None
 
     @staticmethod
     def empty(prep: Prepared, need_sq_norm: bool, need_uniform: bool, head_weight: Tensor | None = None) -> Accumulators:
@@ -173,7 +174,7 @@ class Accumulators:
         head = None
         if head_weight is not None:
             d, full = head_weight.shape[1], prep.full_logp is not None
-            head = HeadSums(head_weight.detach(), zeros(prep.n, d), zeros(prep.n, d) if full else None,
+            head = HeadMeans(head_weight.detach(), zeros(prep.n, d), zeros(prep.n, d) if full else None,
                             zeros(prep.n, d) if full else None)  # fmt: skip
         return Accumulators(
             zeros(prep.n), zeros(*prep.set_ids.shape), zeros(prep.n), zeros(prep.n) if need_sq_norm else None,
@@ -379,7 +380,7 @@ __all__ = [
     "Buffers",
     "GATHER_ELEMENTS",
     "GatherLogProb",
-    "HeadSums",
+    "HeadMeans",
     "Prepared",
     "default_chunk",
     "even_mu",
