@@ -19,7 +19,7 @@ from pdmask.estimators import (
     divergence,
     predicted_change,
 )
-from pdmask.kernel import KERNEL_ESTIMATORS
+from pdmask.kernel import KERNEL_ESTIMATORS, require_head
 from pdmask.rollout import as_bool_mask
 from pdmask.stats import PolicyStats
 
@@ -196,11 +196,8 @@ def check_information(method: MaskMethod, stats: PolicyStats) -> None:
             f"method {method.name!r} needs {method.needs} information about μ, which the rollout does not have: "
             f"pass RolloutLogprobs({hint})."
         )
-    if method.needs_head and stats.head is None:
-        raise ValueError(
-            f"method {method.name!r} needs the LM head W [V, d] and so the hidden states' pass: compute the "
-            "statistics with pdmask.policy_stats(..., head_weight=W) or pdmask.policy_stats_from_hidden(..., need_kernel=True)."
-        )
+    if method.needs_head:
+        require_head(stats)
 
 
 def beyond_threshold(divergence_value: Tensor, advantages: Tensor, delta_low: float, delta_high: float) -> Tensor:
