@@ -60,6 +60,14 @@ class MaskMethod:
         return self.estimator in SQ_NORM_ESTIMATORS
 
     @property
+    def dppo_counterpart(self) -> str:
+        """The ratio-sign mask with this method's divergence and information about μ (itself for ``dppo_*``):
+        ``pdm_aggregated_kl`` -> ``dppo_topk_kl``. Both compute the same D, so they differ only in direction."""
+        if self.kind is None:
+            raise ValueError(f"method {self.name!r} has no divergence, so no DPPO counterpart.")
+        return f"dppo_{self.info}_{self.kind}"
+
+    @property
     def needs_head(self) -> bool:
         """Whether the statistics must carry the LM head's sums (``head_weight=W`` / ``need_kernel=True``)."""
         return self.estimator in KERNEL_ESTIMATORS

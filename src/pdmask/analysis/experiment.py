@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from pdmask import METHODS, PolicyStats, RolloutLogprobs, decide, policy_loss, policy_stats, predicted_change
-from pdmask.analysis.maskview import counterpart, direction_methods, mask_decisions
+from pdmask.analysis.maskview import direction_methods, mask_decisions
 from pdmask.analysis.truth import KINDS, adam_preconditioner, full_divergence, head_change, own_change
 from pdmask.lab.files import save_atomic, write_text_atomic
 from pdmask.lab.train import grpo_advantages
@@ -293,10 +293,10 @@ def _block_stats(
 
 def disagreements(masks: dict[str, dict[str, Tensor]], kind: str, estimators: Sequence[str] | None = None) -> Tensor:
     """bool [M]: tokens where a predictive mask of ``kind`` (of ``estimators``, default all) and its ratio-sign
-    counterpart (``maskview.counterpart``) decide differently. Both share D, so such tokens are beyond δ."""
+    counterpart (``MaskMethod.dppo_counterpart``) decide differently. Both share D, so such tokens are beyond δ."""
     out = torch.zeros_like(next(iter(masks.values()))["keep"])
     for m in direction_methods():
-        other = counterpart(m)
+        other = m.dppo_counterpart
         if m.rule != "pdm" or m.kind != kind or m.name not in masks or other not in masks:
             continue
         if estimators is None or m.estimator in estimators:

@@ -27,12 +27,6 @@ def direction_methods() -> list[MaskMethod]:
     return [m for m in METHODS.values() if m.rule in DIRECTION_RULES]
 
 
-def counterpart(method: MaskMethod) -> str:
-    """The ratio-sign mask with the same divergence and information as ``method`` (itself for ``dppo_*``):
-    ``pdm_aggregated_kl`` -> ``dppo_topk_kl``. Both compute the same D, so they differ only in direction."""
-    return f"dppo_{method.info}_{method.kind}"
-
-
 def mask_decisions(stats: PolicyStats, advantages: Tensor, delta: Mapping[str, float]) -> dict[str, dict[str, Tensor]]:
     """Per direction method: "beyond" (its own D estimate > δ, never where A = 0) and "keep" (its mask), bool [...].
 

@@ -17,7 +17,7 @@ from pdmask.analysis.experiment import (
     TokenResults,
     disagreements,
 )
-from pdmask.analysis.maskview import counterpart, mask_view, paired_view
+from pdmask.analysis.maskview import mask_view, paired_view
 from pdmask.analysis.rates import wilson
 
 #: Ground truths, in the order reported. "own_*" are autograd first-order changes on the token sample.
@@ -146,7 +146,7 @@ def summarize_masks(res: TokenResults, delta: dict[str, float]) -> dict:
             tname: mask_view(dec["beyond"], dec["keep"], res.truth[m.kind][tname], _populations(res, tname)[1], res.row)
             for tname in MASK_TRUTHS
         }
-        other = counterpart(m)
+        other = m.dppo_counterpart
         if m.rule == "pdm" and other in res.masks:
             other_keep = res.masks[other]["keep"]
             # Autograd truths: every disagreement of the ALWAYS_MEASURED estimators, a uniform sample of the others'.

@@ -220,15 +220,10 @@ def trust_region_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] 
     }
 
 
-def _dppo_twin(method: str) -> str:
-    """The DPPO mask with the same divergence and information about μ as a pdm_* method."""
-    m = get_method(method)
-    return f"dppo_{m.needs}_{m.kind}"
-
-
 def pdm_question(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """Did PDM differ from DPPO? Each pdm_* against its DPPO twin: final accuracy paired, masks identical or not."""
-    pairs = [(m, _dppo_twin(m)) for m in methods if m.startswith("pdm_") and _dppo_twin(m) in methods]
+    twins = {m: get_method(m).dppo_counterpart for m in methods if m.startswith("pdm_")}
+    pairs = [(m, dppo) for m, dppo in twins.items() if dppo in methods]
     if not pairs:
         return None
     rows, parts = {}, []
