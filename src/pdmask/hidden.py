@@ -16,7 +16,7 @@ from torch import Tensor
 
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import PolicyStats, assemble
-from pdmask.vocab_pass import Accumulators, Block, Buffers, Prepared, prepare, shifted_sums, uniform_pass
+from pdmask.vocab_pass import Accumulators, Block, Buffers, Prepared, prepare, row_slices, shifted_sums, uniform_pass
 
 #: Default block of logits: rows × vocabulary ids (8 MiB of float32).
 BLOCK_ROWS = 1024
@@ -130,7 +130,7 @@ class _Head:
         )
 
     def row_blocks(self, n: int) -> list[slice]:
-        return [slice(s, min(s + self.rows, n)) for s in range(0, n, self.rows)]
+        return row_slices(n, self.rows)
 
     def vocab_blocks(self) -> list[slice]:
         vocab = self.weight.shape[0]

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from pdmask.stats import HeadMeans, PolicyStats
-from pdmask.vocab_pass import set_rows_dot
+from pdmask.vocab_pass import row_slices, set_rows_dot
 
 #: The kernel-aware estimators: with μ over the whole vocabulary, or from top-K (μ's tail taken
 #: proportional to π's, as pdmask's ``proportional``).
@@ -64,9 +64,7 @@ def kernel_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
     tail, ids = rows(head.tail), stats.set_ids.reshape(n, -1)
     set_pi = rows(stats.set_pi)
     out = torch.empty(n, dtype=tail.dtype, device=tail.device)
-    step = max(1, ROW_ELEMENTS // max(tail.shape[1], 1))
-    for start in range(0, n, step):
-        sl = slice(start, min(start + step, n))
+    for sl in row_slices(n, max(1, ROW_ELEMENTS // max(tail.shape[1], 1))):
         # Wᵀπ = Σ_{j∉S} π_j w_j + Σ_S π_j w_j, made here so that the pass keeps one [N, d] sum, not two.
         pi_mean = set_rows_dot(head.weight, ids[sl], set_pi[sl]).add_(tail[sl])
         grad = torch.zeros_like(pi_mean)

@@ -294,6 +294,11 @@ def _full_reductions(
     return sums, None if rows is None else (q @ rows, sp @ rows)
 
 
+def row_slices(n: int, step: int) -> list[slice]:
+    """[0, n) in consecutive slices of at most ``step`` rows."""
+    return [slice(start, min(start + step, n)) for start in range(0, n, step)]
+
+
 #: Elements of the [rows, C, d] gather of unembedding rows at S made at once.
 GATHER_ELEMENTS = 1 << 22
 
@@ -304,9 +309,7 @@ def set_rows_dot(weight: Tensor, set_ids: Tensor, coef: Tensor) -> Tensor:
     n, width = set_ids.shape
     d = weight.shape[1]
     out = torch.empty(n, d, dtype=coef.dtype, device=coef.device)
-    step = max(1, GATHER_ELEMENTS // max(width * d, 1))
-    for start in range(0, n, step):
-        sl = slice(start, min(start + step, n))
+    for sl in row_slices(n, max(1, GATHER_ELEMENTS // max(width * d, 1))):
         out[sl] = torch.einsum("nc,ncd->nd", coef[sl], weight[set_ids[sl]].to(coef.dtype))
     return out
 
@@ -388,6 +391,7 @@ __all__ = [
     "normalised_sums",
     "prepare",
     "rest_of",
+    "row_slices",
     "set_columns",
     "set_rows_dot",
     "shifted_sums",

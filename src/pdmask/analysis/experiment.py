@@ -37,6 +37,7 @@ from pdmask.analysis.maskview import direction_methods, mask_decisions
 from pdmask.analysis.truth import KINDS, adam_preconditioner, full_divergence, head_change, own_change
 from pdmask.lab.files import save_atomic, write_text_atomic
 from pdmask.lab.train import grpo_advantages
+from pdmask.vocab_pass import row_slices
 
 if TYPE_CHECKING:
     from pdmask.lab.engine import RolloutBatch, RolloutEngine
@@ -235,11 +236,6 @@ def _hidden(policy: nn.Module, batch: RolloutBatch) -> Tensor:
     return torch.cat(parts)
 
 
-def _blocks(n: int, size: int) -> Iterator[slice]:
-    for start in range(0, n, size):
-        yield slice(start, min(n, start + size))
-
-
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     """z = (h Wᵀ + b)/T [n, V] in float64 (weight and bias already float64)."""
     z = h.double() @ weight.T
@@ -383,7 +379,7 @@ def run_round(
     w64 = w.detach().double()
     b64 = None if bias is None else bias.detach().double()
     blocks = []
-    for sl in _blocks(m, cfg.block_positions):
+    for sl in row_slices(m, cfg.block_positions):
         info = RolloutLogprobs(mu_logp_a[sl], top_ids[sl], top_logp[sl], full_logp[sl])
         # W in the logits' float64: the core's pass would otherwise convert it for every block of the vocabulary.
         blocks.append(_block_stats(cfg, _logits(h[sl], w64, b64, cfg.temperature), tokens[sl], info, a[sl], w64))
@@ -479,7 +475,7 @@ def _after_one_step(
         w64 = w.detach().double()
         b64 = None if bias is None else bias.detach().double()
         out = {kind: torch.empty(len(h), dtype=torch.float64) for kind in KINDS}
-        for sl in _blocks(len(h), cfg.block_positions):
+        for sl in row_slices(len(h), cfg.block_positions):
             z = _logits(h[sl], w64, b64, temperature)
             for kind in KINDS:
                 out[kind][sl] = full_divergence(z, full_logp[sl], kind)
