@@ -97,7 +97,7 @@ PRESETS: dict[str, Sweep] = {
         ("small",),
         ("fp8",),
         "The paper's comparison (KL family) x 12 seeds on the small policy with FP8 rollouts, in the calibrated "
-        "setting where RL learns (about 10 minutes on 2 idle cores).",
+        "setting where RL learns (about 12 minutes on 2 idle cores from a fresh clone: 696 s measured, docs/lab.md).",
         accuracy="sampled",
     ),
     "tv": Sweep(
