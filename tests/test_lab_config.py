@@ -27,6 +27,7 @@ from pdmask.lab.presets import PRESETS
         ({"delta_tv": -0.1}, "delta_tv: must be > 0"),
         ({"steps": 0}, "steps: must be >= 1"),
         ({"agg": "sum"}, "agg: must be one of"),
+        ({"sft_seed": -1}, "sft_seed: must be >= 0"),
     ],
 )
 def test_bad_config(changes, message):

@@ -50,7 +50,7 @@ def test_topk_matches_full_softmax_of_engine_weights(policy, dtype):
     assert r.topk_ids.shape == r.topk_logp.shape == (N, R, 7) and r.logp.shape == (N, R) and N == 15
     # Reference: one full forward of the engine's own (low-precision) copy, softmax in float32.
     with torch.no_grad():
-        ref = torch.log_softmax(r.response_logits(engine.model(r.input_ids, r.attention_mask)).float() / 0.7, dim=-1)
+        ref = torch.log_softmax(r.response_logits(engine.model).float() / 0.7, dim=-1)
     m, tol = r.response_mask, prob_tol(dtype)
     # What matters is the distribution: compare probabilities (a log-prob of -30 may differ by 0.2 in bf16).
     tv = 0.5 * (r.full_logp.exp() - ref.exp()).abs().sum(-1)
@@ -98,7 +98,7 @@ def test_fp8_engine_quantizes_linears_and_is_deterministic(policy):
     # Against the float32 trainer at the same weights: a real mismatch, larger than bf16's here, but bounded.
     r = runs[0]
     with torch.no_grad():
-        trainer = torch.log_softmax(r.response_logits(policy(r.input_ids, r.attention_mask)), dim=-1)
+        trainer = torch.log_softmax(r.response_logits(policy), dim=-1)
     tv = 0.5 * (trainer.exp() - r.full_logp.exp()).abs().sum(-1)[r.response_mask]
     assert 1e-3 < tv.mean() < 0.2
     # sync requantizes: a changed trainer weight reaches the engine on the E4M3 grid.
@@ -115,7 +115,7 @@ def test_low_precision_engine_disagrees_with_trainer(policy):
             prompts, 2, max_new_tokens=4, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0)
         )
         with torch.no_grad():
-            trainer = torch.log_softmax(r.response_logits(policy(r.input_ids, r.attention_mask)), dim=-1)
+            trainer = torch.log_softmax(r.response_logits(policy), dim=-1)
         out[dtype] = 0.5 * (trainer.exp() - r.full_logp.exp()).abs().sum(-1)[r.response_mask].max().item()
     assert out["fp32"] < 1e-5 < out["bf16"]
 
@@ -226,6 +226,6 @@ def test_fp8_engine_on_a_hugging_face_model(tied):
     engine.sync(policy)
     r = engine.generate(_prompts(3), 2, max_new_tokens=4, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        trainer = torch.log_softmax(r.response_logits(policy(r.input_ids, r.attention_mask)), dim=-1)
+        trainer = torch.log_softmax(r.response_logits(policy), dim=-1)
     tv = 0.5 * (trainer.exp() - r.full_logp.exp()).abs().sum(-1)[r.response_mask]
     assert 0 < tv.max() < 0.5

@@ -118,6 +118,21 @@ def test_existing_run_needs_resume_and_same_config(tmp_path):
         Run(TINY.replace(steps=1, lr=0.5), tmp_path / "run", resume=True)
 
 
+def test_sft_seed_shares_one_warm_start_across_run_seeds(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDMASK_CACHE", str(tmp_path / "cache"))
+    shared = [Run(TINY.replace(seed=s, sft_seed=7), tmp_path / f"shared{s}") for s in (0, 1)]
+    own = Run(TINY.replace(seed=7), tmp_path / "own")  # sft_seed unset: the run's seed, so seed 7's warm start
+    assert TINY.replace(seed=0, sft_seed=7).sft_key() == TINY.replace(seed=7).sft_key() != TINY.sft_key()
+    assert len(list((tmp_path / "cache" / "sft").glob("*.pt"))) == 1
+    for run in (shared[1], own):
+        for p, q in zip(shared[0].policy.parameters(), run.policy.parameters()):
+            assert torch.equal(p, q)
+    # The step-0 evaluation is cached per run seed: seeds sharing a start draw their own sampled responses.
+    evals = [run.run()[0] for run in shared]
+    assert evals[0]["eval/accuracy"] == evals[1]["eval/accuracy"]  # greedy: the same start
+    assert len(list((tmp_path / "cache" / "sft").glob("*.json"))) == 2
+
+
 def test_grpo_advantages():
     adv = grpo_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5]), group_size=2)
     assert torch.allclose(adv[:4], torch.tensor([0.7071, -0.7071, 0.7071, -0.7071]), atol=1e-3)

@@ -243,8 +243,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from pdmask.analysis.tables import summarize
     from pdmask.lab.config import ConfigError
     from pdmask.lab.engine import RolloutEngine
-    from pdmask.lab.models import build_policy
-    from pdmask.lab.sft import warm_start
+    from pdmask.lab.sft import initial_policy, warm_start
     from pdmask.lab.tasks import SequenceTask, build_task
 
     start = time.perf_counter()
@@ -254,11 +253,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     except (ConfigError, TypeError, ValueError) as e:
         console.print(f"[red]pdmask analyze: {e}[/red]")
         return 2
-    torch.manual_seed(cfg.seed)
     timing: dict[str, float] = {}
     with console.status(f"loading {cfg.model} and warming up"):
         t0 = time.perf_counter()
-        policy = build_policy(cfg.model, vocab_size=lab.vocab_size, block_size=lab.block_size())
+        policy = initial_policy(lab)
         task = build_task(cfg.task, getattr(policy, "tokenizer", None), **lab.task_kwargs())
         if isinstance(task, SequenceTask):  # TinyGPT tasks: the lab's cached SFT warm start
             warm_start(lab, policy, task)

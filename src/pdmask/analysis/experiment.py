@@ -218,7 +218,7 @@ def _accumulate_step_grad(policy: nn.Module, batch: RolloutBatch, adv: Tensor, t
     total = batch.response_mask.sum().clamp(min=1)
     for idx in _row_chunks(batch, policy.vocab_size):
         sub = batch.select(idx)
-        logits = sub.response_logits(policy(sub.input_ids, sub.attention_mask)) / temperature
+        logits = sub.response_logits(policy) / temperature
         loss, _ = policy_loss(STEP_METHOD, logits, sub.tokens, sub.rollout_logprobs(), adv[idx], sub.response_mask)
         # Weighted by its share of the tokens, the micro-batches' token means add up to the minibatch's.
         (loss * sub.response_mask.sum() / total).backward()
@@ -231,8 +231,8 @@ def _hidden(policy: nn.Module, batch: RolloutBatch) -> Tensor:
     parts = []
     for idx in _row_chunks(batch, policy.vocab_size):
         with _captured_hidden(head) as seen:
-            policy(batch.input_ids[idx], batch.attention_mask[idx])
-        parts.append(batch.response_logits(seen[-1]))
+            batch.select(idx).response_logits(policy)
+        parts.append(seen[-1][:, :-1])  # the output layer's input at the positions response_logits keeps
     return torch.cat(parts)
 
 

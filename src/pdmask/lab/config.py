@@ -72,6 +72,9 @@ class Config:
     sft_steps: int = 200
     sft_lr: float = 3e-3
     sft_batch: int = 64
+    # The warm start's seed (its init and data); None = the run's seed. A preset that sets it starts every
+    # seed from one SFT checkpoint, as RL papers start every seed from one base model.
+    sft_seed: int | None = None
     # Infrastructure.
     threads: int = 1  # torch threads for this run
     checkpoint_every: int = 1
@@ -102,10 +105,14 @@ class Config:
     def block_size(self) -> int:
         return self.task_length + 2 + self.task_length + 2  # prompt + longest response
 
+    @property
+    def warm_start_seed(self) -> int:
+        """The seed of the SFT warm start: ``sft_seed``, or the run's seed."""
+        return self.seed if self.sft_seed is None else self.sft_seed
+
     def sft_key(self) -> str:
         """Hash of everything the SFT warm start depends on (not the method, dtype or RL settings)."""
         keys = (
-            "seed",
             "model",
             "task",
             "task_length",
@@ -116,7 +123,7 @@ class Config:
             "sft_batch",
             "heldout_size",
         )
-        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        blob = json.dumps({"seed": self.warm_start_seed} | {k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -199,6 +206,8 @@ class Config:
             bad(f"eval_samples: must be >= 0 (0 turns the sampled held-out accuracy off), got {self.eval_samples}")
         if self.sft_steps < 0:
             bad(f"sft_steps: must be >= 0, got {self.sft_steps}")
+        if self.sft_seed is not None and self.sft_seed < 0:
+            bad(f"sft_seed: must be >= 0, or unset for the run's own seed, got {self.sft_seed}")
         if self.rollout_lag < 0:
             bad(f"rollout_lag: must be >= 0 (rollout batches the engine's weights trail the trainer), got {self.rollout_lag}")
         if self.batch_size % self.minibatches:

@@ -129,9 +129,9 @@ class RolloutBatch:
     def prompt_len(self) -> int:
         return self.input_ids.shape[1] - self.tokens.shape[1]
 
-    def response_logits(self, logits: Tensor) -> Tensor:
-        """Logits of a forward pass over input_ids [N, P + R, V] -> those that predict the response [N, R, V]."""
-        return logits[:, self.prompt_len - 1 : -1]
+    def response_logits(self, policy: nn.Module) -> Tensor:
+        """The policy's logits that predict the response [N, R, V] (its output layer runs on those positions only)."""
+        return policy(self.input_ids, self.attention_mask, first=self.prompt_len - 1)[:, :-1]
 
     def rollout_logprobs(self, with_full: bool = False) -> RolloutLogprobs:
         """What the trainer knows about mu, as pdmask.RolloutLogprobs (top-K; full only if asked and present)."""

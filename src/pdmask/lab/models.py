@@ -3,8 +3,9 @@
 Every policy here has the same interface, so the rollout engine, the trainer and the analysis tool
 never need to know which one they hold:
 
-- ``policy(input_ids, attention_mask) -> logits``: input_ids/attention_mask [B, T] (left padding
-  allowed, mask 1 = real token), logits [B, T, V] (float, in the policy's dtype).
+- ``policy(input_ids, attention_mask, first=0) -> logits``: input_ids/attention_mask [B, T] (left padding
+  allowed, mask 1 = real token), logits [B, T - first, V] of positions first..T-1 (float, in the policy's
+  dtype; the output layer runs on those positions only).
 - ``policy.prefill(input_ids, attention_mask, repeats=1) -> (logits [B * repeats, V], cache)``: logits
   of the last position plus a key/value cache, every row repeated ``repeats`` times (for groups of
   responses to one prompt), and ``policy.extend(tokens [B], attention_mask [B, T+1], cache) ->
@@ -121,8 +122,9 @@ class TinyGPT(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def _run(self, input_ids: Tensor, attention_mask: Tensor, past: list | None) -> tuple[Tensor, list]:
-        """input_ids [B, t] are the last t of T = attention_mask.shape[1] positions; returns logits [B, t, V]."""
+    def _run(self, input_ids: Tensor, attention_mask: Tensor, past: list | None, first: int = 0) -> tuple[Tensor, list]:
+        """input_ids [B, t] are the last t of T = attention_mask.shape[1] positions; returns the logits
+        [B, t - first, V] of the positions first..t-1 of those t, and the new key/value cache."""
         t = input_ids.shape[1]
         T = attention_mask.shape[1]
         if T > self.cfg.block_size:
@@ -136,15 +138,15 @@ class TinyGPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x, kv = block(x, bias, None if past is None else past[i])
             new_past.append(kv)
-        return self.lm_head(self.ln_f(x)), new_past
+        return self.lm_head(self.ln_f(x[:, first:])), new_past
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """input_ids [B, T] -> logits [B, T, V]."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, first: int = 0) -> Tensor:
+        """input_ids [B, T] -> logits [B, T - first, V] of positions first..T-1."""
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        return self._run(input_ids, mask, None)[0]
+        return self._run(input_ids, mask, None, first)[0]
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, repeats: int = 1) -> tuple[Tensor, Cache]:
-        logits, past = self._run(input_ids, attention_mask, None)
+        logits, past = self._run(input_ids, attention_mask, None, first=input_ids.shape[1] - 1)
         if repeats > 1:  # every row's results repeated: rows are independent, so the same as repeating the input
             past = [(k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0)) for k, v in past]
         return logits[:, -1].repeat_interleave(repeats, 0), past
@@ -172,10 +174,14 @@ class HFPolicy(nn.Module):
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, first: int = 0) -> Tensor:
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         return self.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions(mask), use_cache=False
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions(mask),
+            use_cache=False,
+            logits_to_keep=input_ids.shape[1] - first,
         ).logits
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, repeats: int = 1) -> tuple[Tensor, Cache]:

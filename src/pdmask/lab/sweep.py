@@ -32,14 +32,11 @@ def setting_name(cfg: Config) -> str:
 def _sft_job(cfg: Config) -> str:
     import torch
 
-    from pdmask.lab.models import build_policy
-    from pdmask.lab.sft import warm_start
+    from pdmask.lab.sft import initial_policy, warm_start
     from pdmask.lab.tasks import build_task
 
     torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    policy = build_policy(cfg.model, vocab_size=cfg.vocab_size, block_size=cfg.block_size())
-    return str(warm_start(cfg, policy, build_task(cfg.task, **cfg.task_kwargs())))
+    return str(warm_start(cfg, initial_policy(cfg), build_task(cfg.task, **cfg.task_kwargs())))
 
 
 def _run_job(cfg: Config, path: str) -> str:

@@ -31,8 +31,8 @@ from pdmask import METHODS, RolloutLogprobs, jsonio
 from pdmask.lab.config import Config, ConfigError
 from pdmask.lab.engine import RolloutBatch, RolloutEngine, sample
 from pdmask.lab.files import save_atomic, write_text_atomic
-from pdmask.lab.models import build_policy, is_pretrained
-from pdmask.lab.sft import sft_path, warm_start
+from pdmask.lab.models import is_pretrained
+from pdmask.lab.sft import initial_policy, sft_path, warm_start
 from pdmask.lab.tasks import Task, build_task
 
 FULL_LOGP_BUDGET = 2**25  # floats: above this the engine returns top-K only and mismatch is a top-K estimate
@@ -122,6 +122,27 @@ def _recomputed_mu(logp_old: Tensor, tokens: Tensor, k: int) -> RolloutLogprobs:
     return RolloutLogprobs(logp_old.gather(-1, tokens[..., None]).squeeze(-1), topk_ids, topk_logp, full_logp=logp_old)
 
 
+@torch.no_grad()
+def mismatch_metrics(logits: Tensor, mb: RolloutBatch) -> dict[str, float]:
+    """The trainer's π (logits [n, R, V]) against the engine's μ on a minibatch: TV (DPPO's top-K estimate when
+    the engine returned top-K only), mean |log π(a) − log μ(a)|, entropy of π; means over response tokens."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    if mb.full_logp is not None:
+        tv = 0.5 * (p - mb.full_logp.exp()).abs().sum(-1)
+    else:
+        tv = pdmask.divergence(pdmask.policy_stats(logits, mb.tokens, mb.rollout_logprobs()), "tv", "topk")
+    mask = mb.response_mask
+    logp_a = logp.gather(-1, mb.tokens[..., None]).squeeze(-1)
+    return {
+        "mismatch/tv_mean": tv[mask].mean().item(),
+        "mismatch/tv_max": tv[mask].max().item(),
+        "mismatch/logp_abs": (logp_a - mb.logp)[mask].abs().mean().item(),
+        "policy/entropy": -(p * logp).sum(-1)[mask].mean().item(),
+    }
+
+
 def tail_kind(cfg: Config) -> str:
     """The divergence ``tail_metrics`` compares the estimators with: the method's, TV for ppo_clip and pg_is."""
     return METHODS[cfg.method].kind or "tv"
@@ -164,8 +185,7 @@ class Run:
         self.dir = Path(run_dir)
         self._check_dir(resume)
         torch.set_num_threads(cfg.threads)
-        torch.manual_seed(cfg.seed)
-        self.policy = build_policy(cfg.model, vocab_size=cfg.vocab_size, block_size=cfg.block_size())
+        self.policy = initial_policy(cfg)
         # RL updates run without dropout (as verl and TRL do), so π and the engine's μ share one forward.
         self.policy.eval()
         self.task = build_task(cfg.task, tokenizer=getattr(self.policy, "tokenizer", None), **cfg.task_kwargs())
@@ -186,7 +206,7 @@ class Run:
             self.engine: RolloutEngine | VLLMEngine = VLLMEngine(self.policy, cfg.rollout_dtype, cfg.top_k, cfg.seed)
         else:
             self.engine = RolloutEngine(self.policy, cfg.rollout_dtype, cfg.top_k, return_full=return_full)
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.lr)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.lr, fused=True)
         self.step = 0
         # rollout_lag: the trainer's weights at the start of the last steps, oldest first (at most L).
         self.lagged: list[dict[str, Tensor]] = []
@@ -288,14 +308,18 @@ class Run:
             "reward/correct": sum(ok for _, ok in scores) / len(scores),
             "response/length": ro.response_mask.sum(-1).float().mean().item(),
         }
-        mu, trainer_metrics = self._trainer_view(ro)
-        metrics |= trainer_metrics
+        if cfg.mu == "recompute":
+            mu = self._recomputed(ro)
+        else:
+            mu = ro.rollout_logprobs(with_full=self.method.needs == "full")
 
         updates = []
         for _ in range(cfg.epochs):
             for idx in torch.randperm(cfg.batch_size, generator=g).chunk(cfg.minibatches):
                 mb = ro.select(idx)
-                logits = mb.response_logits(self.policy(mb.input_ids, mb.attention_mask)) / cfg.temperature
+                logits = mb.response_logits(self.policy) / cfg.temperature
+                if not updates:  # before the step's first update: π at the start of the step, on a quarter of it
+                    metrics |= mismatch_metrics(logits, mb)
                 # One pass gives the loss, its metrics and the tail metrics (which compare the top-K estimators).
                 stats = pdmask.policy_stats(
                     logits, mb.tokens, _select(mu, idx), need_sq_norm=True, need_uniform=tail_kind(cfg) == "tv",
@@ -328,27 +352,10 @@ class Run:
         return weights
 
     @torch.no_grad()
-    def _trainer_view(self, ro: RolloutBatch) -> tuple[RolloutLogprobs, dict[str, float]]:
-        """The trainer's π now against the engine's μ (same weights unless rollout_lag > 0): TV, entropy, μ for the loss."""
-        logits = ro.response_logits(self.policy(ro.input_ids, ro.attention_mask)).float() / self.cfg.temperature
-        logp = torch.log_softmax(logits, dim=-1)  # [N, R, V]
-        p = logp.exp()
-        mask = ro.response_mask
-        if ro.full_logp is not None:
-            tv = 0.5 * (p - ro.full_logp.exp()).abs().sum(-1)
-        else:  # vocabulary too large to keep μ in full: DPPO's top-K estimate of the TV
-            tv = pdmask.divergence(pdmask.policy_stats(logits, ro.tokens, ro.rollout_logprobs()), "tv", "topk")
-        logp_a = logp.gather(-1, ro.tokens[..., None]).squeeze(-1)
-        entropy = -(p * logp).sum(-1)
-        metrics = {
-            "mismatch/tv_mean": tv[mask].mean().item(),
-            "mismatch/tv_max": tv[mask].max().item(),
-            "mismatch/logp_abs": (logp_a - ro.logp)[mask].abs().mean().item(),
-            "policy/entropy": entropy[mask].mean().item(),
-        }
-        if self.cfg.mu == "recompute":
-            return _recomputed_mu(logp, ro.tokens, self.cfg.top_k), metrics
-        return ro.rollout_logprobs(with_full=self.method.needs == "full"), metrics
+    def _recomputed(self, ro: RolloutBatch) -> RolloutLogprobs:
+        """μ = the trainer's π_old at the start of the step, from one forward over the whole batch."""
+        logits = ro.response_logits(self.policy).float() / self.cfg.temperature
+        return _recomputed_mu(torch.log_softmax(logits, dim=-1), ro.tokens, self.cfg.top_k)
 
     def _initial_evaluation(self) -> dict[str, float]:
         """Step 0's held-out metrics. From an SFT start every method of a seed starts from the same weights
@@ -356,7 +363,8 @@ class Run:
         cfg = self.cfg
         if is_pretrained(cfg.model) or cfg.sft_steps == 0:
             return self._evaluate()
-        path = sft_path(cfg).with_suffix(f".eval-{cfg.reward}-{cfg.eval_samples}x-t{cfg.temperature:g}.json")
+        # Keyed by the run's seed too: seeds that share a warm start (sft_seed) draw their own evaluation streams.
+        path = sft_path(cfg).with_suffix(f".eval-{cfg.reward}-{cfg.eval_samples}x-t{cfg.temperature:g}-s{cfg.seed}.json")
         if path.exists():
             return json.loads(path.read_text())
         metrics = self._evaluate()
