@@ -99,6 +99,11 @@ def write_report(sweep: Sweep, out: Path, preset: str, run_info: dict[str, Any])
     return report
 
 
+def _warm_start_words(cfg: dict) -> str:
+    seed = cfg.get("sft_seed")
+    return "one per seed" if seed is None else f"one, of seed {seed}, shared by every seed"
+
+
 def _thresholds_words(cfg: dict[str, Any]) -> str:
     """The thresholds every run used: the config's, or the methods' defaults."""
     from pdmask import METHODS
@@ -121,7 +126,8 @@ READING_GUIDE = """## How to read this
   difference is within the seed-to-seed spread. The intervals are not corrected for the several comparisons made, so
   with few seeds an interval that only just excludes 0 is weak evidence.
 - *dropped*: share of response tokens the mask removed, by advantage sign, averaged over all updates. *mismatch TV*:
-  TV between the float32 trainer and the rollout engine at the same weights, on the sampled positions. *D*: the
+  TV between the float32 trainer and the rollout engine at the same weights, on the response positions of each
+  step's first minibatch. *D*: the
   method's own divergence (TV at top-K for ppo_clip and pg_is) between the current policy and μ during the updates.
   *dir. disagree*: among tokens beyond the TV threshold, the share where DPPO's direction sign(π_a − μ_a) and the
   predictive sign(G) differ. *growth*: mismatch TV over the last tenth of the steps minus over the first tenth.
@@ -169,7 +175,8 @@ def _markdown(report: dict[str, Any], settings: dict[str, Any], plots: dict[str,
             f"vocabulary {cfg['vocab_size']}, {cfg['steps']} RL steps of {cfg['prompts_per_step']} prompts × {cfg['group_size']} samples, "
             f"{cfg['epochs']} epoch(s) × {cfg['minibatches']} minibatches per rollout batch, rollout lag {cfg['rollout_lag']} step(s), "
             f"Adam lr {cfg['lr']}, grad clip {cfg['grad_clip']}, temperature {cfg['temperature']}, "
-            f"top-K = {cfg['top_k']}, μ = {cfg['mu']}, SFT warm start {cfg['sft_steps']} steps, thresholds {_thresholds_words(cfg)}. "
+            f"top-K = {cfg['top_k']}, μ = {cfg['mu']}, SFT warm start {cfg['sft_steps']} steps "
+            f"({_warm_start_words(cfg)}), thresholds {_thresholds_words(cfg)}. "
             "Only the mask differs between methods."
         ),
     ]
