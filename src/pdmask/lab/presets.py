@@ -99,7 +99,7 @@ PRESETS: dict[str, Sweep] = {
         ("small",),
         ("fp8",),
         "The paper's comparison (KL family) x 12 seeds on the small policy with FP8 rollouts, in the calibrated "
-        "setting where RL learns (about 12 minutes on 2 idle cores from a fresh clone: 696 s measured, docs/lab.md).",
+        "setting where RL learns (about 8 minutes on 2 idle cores from a fresh clone: 490 s measured, docs/lab.md).",
         accuracy="sampled",
     ),
     "tv": Sweep(
@@ -108,7 +108,7 @@ PRESETS: dict[str, Sweep] = {
         tuple(range(12)),
         ("small",),
         ("fp8",),
-        "pdmask's TV extension of the default comparison, same setting and seeds (about 12 minutes on 2 idle cores).",
+        "pdmask's TV extension of the default comparison, same setting and seeds (about 10 minutes on 2 idle cores).",
         accuracy="sampled",
     ),
     "long": Sweep(
