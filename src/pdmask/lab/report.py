@@ -127,8 +127,8 @@ READING_GUIDE = """## How to read this
   with few seeds an interval that only just excludes 0 is weak evidence.
 - *dropped*: share of response tokens the mask removed, by advantage sign, averaged over all updates. *mismatch TV*:
   TV between the float32 trainer and the rollout engine at the same weights, on the response positions of each
-  step's first minibatch. *D*: the
-  method's own divergence (TV at top-K for ppo_clip and pg_is) between the current policy and μ during the updates.
+  step's first minibatch. *D*: the method's own divergence (TV at top-K for ppo_clip and pg_is) between the current
+  policy and μ during the updates.
   *dir. disagree*: among tokens beyond the TV threshold, the share where DPPO's direction sign(π_a − μ_a) and the
   predictive sign(G) differ. *growth*: mismatch TV over the last tenth of the steps minus over the first tenth.
 - *tail masks differ*: share of response tokens on which the masks of the four top-K predictive estimators (the
