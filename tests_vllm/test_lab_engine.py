@@ -32,7 +32,7 @@ def rollout(engine, seed: int = 0):
 
 def trainer_logprobs(policy, ro) -> torch.Tensor:
     with torch.no_grad():
-        return torch.log_softmax(ro.response_logits(policy(ro.input_ids, ro.attention_mask)).float(), -1)
+        return torch.log_softmax(ro.response_logits(policy).float(), -1)
 
 
 def assert_matches(policy, ro) -> None:
