@@ -86,3 +86,24 @@ def test_grouped_sample_matches_repeated_prompts(small, temperature):
     ref = sample(small, repeated, generator=torch.Generator().manual_seed(0), **kwargs)
     for name in ("input_ids", "attention_mask", "tokens", "response_mask", "logp", "topk_ids", "topk_logp", "full_logp"):
         assert torch.equal(getattr(grouped, name), getattr(ref, name)), name
+
+
+@pytest.mark.parametrize("family", ["tinygpt", "hf"])
+def test_first_keeps_the_logits_of_the_later_positions(small, family):
+    """policy(ids, mask, first=k) equals the full forward's positions k.., with left padding too."""
+    if family == "hf":
+        transformers = pytest.importorskip("transformers")
+        from pdmask.lab.models import HFPolicy
+
+        from tiny_llama import tiny_llama_config
+
+        torch.manual_seed(0)
+        policy = HFPolicy(transformers.LlamaForCausalLM(tiny_llama_config(48, pad_id=PAD)).eval(), tokenizer=None)
+    else:
+        policy = small
+    ids = torch.tensor([[1, 5, 6, 7, 2, 8], [PAD, PAD, 1, 9, 2, 8]])
+    mask = (torch.arange(6) >= torch.tensor([[0], [2]])).long()  # the second row is left-padded
+    with torch.no_grad():
+        full = policy(ids, mask)
+        for k in (0, 3, 5):
+            torch.testing.assert_close(policy(ids, mask, first=k), full[:, k:])

@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
         default="default",
-        help="smoke (<1 min), default (about 8 min on 2 cores), tv (about 10 min), long (about 37 min), collapse, sizes "
+        help="smoke (<1 min), default (about 8 min on 2 cores), tv (about 10 min, estimated), long (about 37 min), collapse, sizes "
         "(about an hour), vllm or paper (about a day); rerun the same command to resume",
     )
     parser.add_argument("--out", default="runs/compare", help="output folder (report.md, report.json, plots/, runs/)")

@@ -73,7 +73,8 @@ class Config:
     sft_lr: float = 3e-3
     sft_batch: int = 64
     # The warm start's seed (its init and data); None = the run's seed. A preset that sets it starts every
-    # seed from one SFT checkpoint, as RL papers start every seed from one base model.
+    # seed from one SFT checkpoint, as RL papers start every seed from one base model (with sft_steps = 0:
+    # from one random init).
     sft_seed: int | None = None
     # Infrastructure.
     threads: int = 1  # torch threads for this run

@@ -176,13 +176,11 @@ class HFPolicy(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, first: int = 0) -> Tensor:
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        return self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions(mask),
-            use_cache=False,
-            logits_to_keep=input_ids.shape[1] - first,
+        keep = input_ids.shape[1] - first
+        logits = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions(mask), use_cache=False, logits_to_keep=keep
         ).logits
+        return logits[:, -keep:]  # a model whose forward ignores logits_to_keep (**kwargs) returns every position
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, repeats: int = 1) -> tuple[Tensor, Cache]:
         input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)

@@ -108,7 +108,8 @@ PRESETS: dict[str, Sweep] = {
         tuple(range(12)),
         ("small",),
         ("fp8",),
-        "pdmask's TV extension of the default comparison, same setting and seeds (about 10 minutes on 2 idle cores).",
+        "pdmask's TV extension of the default comparison, same setting and seeds (about 10 minutes on 2 idle cores, "
+        "estimated from the default's runs).",
         accuracy="sampled",
     ),
     "long": Sweep(

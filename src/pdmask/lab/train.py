@@ -318,7 +318,7 @@ class Run:
             for idx in torch.randperm(cfg.batch_size, generator=g).chunk(cfg.minibatches):
                 mb = ro.select(idx)
                 logits = mb.response_logits(self.policy) / cfg.temperature
-                if not updates:  # before the step's first update: π at the start of the step, on a quarter of it
+                if not updates:  # before the step's first update: π at the start of the step, on its first minibatch
                     metrics |= mismatch_metrics(logits, mb)
                 # One pass gives the loss, its metrics and the tail metrics (which compare the top-K estimators).
                 stats = pdmask.policy_stats(
