@@ -86,3 +86,18 @@ def test_a_rerun_continues_after_the_finished_rounds(smoke) -> None:
     assert first.stat().st_mtime_ns == stamp  # loaded, not recomputed
     assert (out / "rounds" / "round_00001.pt").exists()
     assert json.loads((out / "analysis.json").read_text())["counts"]["tv"]["tokens"] > before
+
+
+def test_shards_compute_only_their_rounds(smoke) -> None:
+    """``--shard I/N`` skips the other shards' unfinished rounds and leaves the report to a call without it."""
+    root, _ = smoke
+    out = root / "analyze"
+    had_round_1 = (out / "rounds" / "round_00001.pt").exists()
+    report = (out / "report.md").stat().st_mtime_ns
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(None):
+        mp.setenv("PDMASK_CACHE", str(root / "cache"))
+        assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "3", "--shard", "2/2"]) == 2
+        assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "3", "--shard", "0/2"]) == 0
+    assert (out / "rounds" / "round_00002.pt").exists()
+    assert (out / "rounds" / "round_00001.pt").exists() == had_round_1
+    assert (out / "report.md").stat().st_mtime_ns == report

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import shlex
 import sys
 import time
@@ -38,7 +39,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smoke": {"model": "tiny", "prompts": 8, "group_size": 4, "stale_steps": 1, "sample_tokens": 24, "beyond_sample": 24,
               "sft_steps": 30, "advantages": "random", "delta": {"tv": 0.01, "kl": 0.0004}},
     # The paper's source of mismatch (FP8 rollouts plus stale steps), in rounds until the paper's masks and
-    # DPPO's have disagreed on 2,000 tokens per divergence, each with autograd truth (docs/analysis.md).
+    # DPPO's have disagreed on 2,000 tokens per divergence (docs/analysis.md).
     "scale": {"rollout_dtype": "fp8", "prompts": 256, "group_size": 8, "sample_tokens": 32, "beyond_sample": 64,
               "rounds": 500, "target_disagreements": 2000},
 }
@@ -50,9 +51,10 @@ PRETRAINED: dict[str, dict[str, Any]] = {
                 "advantages": "random"},
     "smoke": {"task": "arithmetic", "prompts": 2, "group_size": 2, "stale_steps": 1, "sample_tokens": 8, "lr": 1e-5,
               "advantages": "random"},
-    # Per-token gradients of a 135M model take seconds each: the samples are small, the refinements'
-    # disagreements are sampled, and the paper's masks' disagreements (all of them get truth) are most of the
-    # cost. K = 20 only: the engines' usual limit, and each K is a pass over the 49,152-token vocabulary.
+    # Per-token gradients of a 135M model take seconds each, and the masks disagree on a few percent of the
+    # tokens beyond δ: the autograd truths go to small uniform samples (of the disagreements too; every token
+    # gets the real step's truth), so rounds stay cheap enough to reach 2,000 disagreements per divergence.
+    # K = 20 only: the engines' usual limit, and each K is a pass over the 49,152-token vocabulary.
     "scale": {"task": "arithmetic", "prompts": 16, "group_size": 4, "stale_steps": 1, "sample_tokens": 2, "beyond_sample": 6,
               "disagree_sample": 8, "ks": (20,), "block_positions": 128, "lr": 1e-5, "advantages": "random",
               "rounds": 5000},
@@ -82,8 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-tokens", type=int, help="per round: uniform sample of all tokens with autograd ground truth")
     p.add_argument("--beyond-sample", type=int, help="per round: uniform sample of the tokens beyond δ with autograd truth")
     p.add_argument("--disagree-sample", type=int,
-                   help="per round: uniform sample of the disagreements of pdmask's refinements with truth "
-                        "(default all; the paper's masks' and PDM full's always get truth)")
+                   help="per round and divergence: uniform sample of the tokens where a predictive mask and its "
+                        "ratio-sign counterpart disagree, with autograd truth (default all)")
     p.add_argument("--rounds", type=int, help="at most this many rounds (rollout batch, stale steps, analysis); default 1")
     p.add_argument("--target-disagreements", type=int,
                    help="stop once the paper's masks and DPPO's disagreed on this many tokens for TV and for KL")
@@ -96,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # One thread: on a shared 2-core machine a second torch thread spins against other processes
     # (measured: SmolLM2 per-token gradients 3.4 s with 1 thread, 23 s with 2 under load).
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--shard", default="0/1", metavar="I/N",
+                   help="compute only the rounds whose index is I mod N: start N of these on the same --out in "
+                        "parallel (one core each), then once without --shard for the report")
     p.add_argument("--out", default="runs/analyze",
                    help="output folder (default runs/analyze); a rerun with the same settings continues its rounds")
 
@@ -216,6 +221,17 @@ def paired_table(summary: dict, kind: str):
     return table
 
 
+def _parse_shard(text: str) -> tuple[int, int]:
+    """"I/N" -> (I, N); raises ValueError naming --shard."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must be I/N (e.g. 0/2), got {text!r}.") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard I/N needs 0 <= I < N, got {text!r}.")
+    return i, n
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -250,6 +266,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     try:
         cfg = config_from_args(args).validate()
         lab = _lab_config(cfg)
+        shard = _parse_shard(args.shard)
     except (ConfigError, TypeError, ValueError) as e:
         console.print(f"[red]pdmask analyze: {e}[/red]")
         return 2
@@ -280,12 +297,19 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             return lambda: bar.advance(task_id)
 
         try:
-            results, run_timing = run_analysis(cfg, policy, task, engine_factory, Path(args.out), progress, bar.console.print)
+            results, run_timing = run_analysis(cfg, policy, task, engine_factory, Path(args.out), progress,
+                                               bar.console.print, shard)
         except ValueError as e:
             console.print(f"[red]pdmask analyze: {e}[/red]")
             return 2
     timing.update(run_timing)
     timing["total_s"] = time.perf_counter() - start
+    timing["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+    if shard[1] > 1:
+        console.print(f"shard {args.shard}: {run_timing['rounds_analysed']:.0f} rounds in {args.out}, "
+                      f"{timing['total_s']:.0f} s, peak {timing['peak_rss_gib']:.1f} GiB; "
+                      "when every shard is done, rerun without --shard for the report.")
+        return 0
     summary = summarize(results, cfg.delta)
     summary["verdict"] = verdict(summary)
     meta = {"command": shlex.join(["pdmask", "analyze", *sys.argv[2:]]), "config": config_dict(cfg), "timing": timing}

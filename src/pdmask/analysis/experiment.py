@@ -11,9 +11,10 @@ Each round (docs/analysis.md), from the same starting weights and a fresh Adam, 
 3. On the last minibatch (π = the current weights in fp32), per response token with A ≠ 0, in blocks of
    ``block_positions`` positions: the true D, every direction signal (ratio sign, each registered
    estimator of G at each K) and every registered direction mask's decision (``pdmask.decide``).
-4. Autograd ground truths only where they decide something: every token beyond δ on which a predictive
-   mask and its ratio-sign counterpart decide differently, a uniform sample of the tokens beyond δ
-   (the mask view's rates) and a uniform sample of all tokens (the agreement tables, check 5).
+4. Autograd ground truths only where they decide something: the tokens beyond δ on which a predictive
+   mask and its ratio-sign counterpart decide differently (all of them, or a uniform sample of
+   ``disagree_sample`` per round), a uniform sample of the tokens beyond δ (the mask view's rates) and a
+   uniform sample of all tokens (the agreement tables, check 5).
 5. The actual change of D of every token after one real step on the whole minibatch (Adam with its
    state, and a plain gradient step of the same parameter-space length).
 A round keeps only per-token float32/bool vectors (``ROUND_FILE``, written atomically); a rerun with
@@ -50,8 +51,6 @@ FULL_ESTIMATORS = tuple(dict.fromkeys(m.estimator for m in _PDM if m.info == "fu
 TOPK_ESTIMATORS = tuple(dict.fromkeys(m.estimator for m in _PDM if m.info == "topk"))
 #: The paper's top-K estimators (docs/method.md): their disagreements with DPPO's ratio sign are the run's target.
 PAPER_ESTIMATORS = ("aggregated", "uniform")
-#: Estimators whose every disagreement with the ratio sign gets autograd truth (the others' may be sampled).
-ALWAYS_MEASURED = (*PAPER_ESTIMATORS, "full")
 #: The surrogate of the optimizer steps: truncated IS without a trust region, so every token moves.
 STEP_METHOD = "pg_is"
 #: Truths by autograd on selected tokens (NaN elsewhere); the step_* truths are measured on every token.
@@ -84,8 +83,8 @@ class AnalysisConfig:
     advantages: str = "grpo"  # grpo | random
     sample_tokens: int = 2048  # per round: uniform sample of all analysed tokens with autograd truth
     beyond_sample: int = 512  # per round: uniform sample of the tokens beyond δ with autograd truth
-    # Per round: uniform sample of the tokens where any predictive mask and the ratio sign decide differently
-    # (None: all). The paper's masks' and PDM full's disagreements (ALWAYS_MEASURED) get truth regardless.
+    # Per round and kind: uniform sample of the tokens where any predictive mask and its ratio-sign counterpart
+    # decide differently, with autograd truth (None: all). Every disagreement gets the real step's truth.
     disagree_sample: int | None = None
     rounds: int = 1  # at most this many rounds
     target_disagreements: int | None = None  # stop once the paper's masks disagree with DPPO this often, per kind
@@ -393,13 +392,12 @@ def run_round(
     targeted = {kind: disagreements(masks, kind) for kind in KINDS}
     size = m if cfg.disagree_sample is None else cfg.disagree_sample
     disagree_sampled = {kind: _uniform(targeted[kind], size, gen) for kind in KINDS}
-    measured = {kind: disagree_sampled[kind] | disagreements(masks, kind, ALWAYS_MEASURED) for kind in KINDS}
     union_beyond = none.clone()
     for dec in masks.values():
         union_beyond |= dec["beyond"]
     sampled = _uniform(~none, cfg.sample_tokens, gen)
     beyond_sampled = _uniform(union_beyond, cfg.beyond_sample, gen)
-    need = torch.stack([sampled | beyond_sampled | measured[kind] for kind in KINDS], 1)  # [M, kinds]
+    need = torch.stack([sampled | beyond_sampled | disagree_sampled[kind] for kind in KINDS], 1)  # [M, kinds]
     truth: dict[str, Tensor] = {}
     pick = sampled.nonzero().squeeze(-1)
     for kind in KINDS:
@@ -525,7 +523,8 @@ def record_masks(rec: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
 
 def paper_disagreements(rec: dict[str, Tensor]) -> dict[str, int]:
     """Per kind: tokens of a record where one of the paper's top-K predictive estimators (as a mask) and
-    DPPO's top-K mask decide differently — all of them get autograd truth; the run's stopping count."""
+    DPPO's top-K mask decide differently (each gets the real step's truth, and autograd truth unless
+    ``disagree_sample`` samples them); the run's stopping count."""
     masks = record_masks(rec)
     return {kind: int(disagreements(masks, kind, PAPER_ESTIMATORS).sum()) if masks else 0 for kind in KINDS}
 
@@ -549,16 +548,22 @@ def run_analysis(
     out_dir: Path,
     progress: Callable[[str, int], Callable[[], None]] | None = None,
     log: Callable[[str], None] | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> tuple[TokenResults, dict[str, float]]:
     """Runs rounds (the module docstring) on a warm-started ``policy`` until ``cfg.rounds`` or the target.
 
-    Finished rounds live in ``out_dir/rounds``; those already there (from a killed run with the same
-    settings) are loaded, not recomputed. ``engine_factory(policy)`` builds the rollout engine (the lab's
-    RolloutEngine with full log-probs); ``progress(label, total)`` returns a callback that advances a
-    progress bar by one (a label seen before resets its bar); ``log(line)`` reports each finished round.
-    Returns the results of every round and the summed timings of the rounds computed in this call.
+    Finished rounds live in ``out_dir/rounds``; those already there (from a killed run, or another shard,
+    with the same settings) are loaded, not recomputed. ``shard = (i, n)`` computes only the rounds whose
+    index is i mod n and skips the others' unfinished ones, so n processes can share ``out_dir``; a call
+    with the default (0, 1) completes any gap. ``engine_factory(policy)`` builds the rollout engine (the
+    lab's RolloutEngine with full log-probs); ``progress(label, total)`` returns a callback that advances
+    a progress bar by one (a label seen before resets its bar); ``log(line)`` reports each finished round.
+    Returns the results of the rounds seen and the summed timings of the rounds computed in this call.
     """
     cfg.validate()
+    worker, workers = shard
+    if not 0 <= worker < workers:
+        raise ValueError(f"shard must be I/N with 0 <= I < N, got {worker}/{workers}.")
     rounds_dir = out_dir / "rounds"
     rounds_dir.mkdir(parents=True, exist_ok=True)
     _check_resumable(cfg, out_dir / "run.json")
@@ -571,6 +576,8 @@ def run_analysis(
     for index in range(cfg.rounds):
         path = rounds_dir / ROUND_FILE.format(index)
         computed = not path.exists()
+        if computed and index % workers != worker:
+            continue  # another shard's round, not finished yet
         if computed:
             policy.load_state_dict(start)
             rec, round_times = run_round(cfg, index, policy, engine, task, progress)
