@@ -39,7 +39,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smoke": {"model": "tiny", "prompts": 8, "group_size": 4, "stale_steps": 1, "sample_tokens": 24, "beyond_sample": 24,
               "sft_steps": 30, "advantages": "random", "delta": {"tv": 0.01, "kl": 0.0004}},
     # The paper's source of mismatch (FP8 rollouts plus stale steps), in rounds until the paper's masks and
-    # DPPO's have disagreed on 2,000 tokens per divergence (docs/analysis.md).
+    # DPPO's have disagreed on 2,000 tokens per divergence, each with autograd truth (docs/analysis.md).
     "scale": {"rollout_dtype": "fp8", "prompts": 256, "group_size": 8, "sample_tokens": 32, "beyond_sample": 64,
               "rounds": 500, "target_disagreements": 2000},
 }
@@ -51,10 +51,9 @@ PRETRAINED: dict[str, dict[str, Any]] = {
                 "advantages": "random"},
     "smoke": {"task": "arithmetic", "prompts": 2, "group_size": 2, "stale_steps": 1, "sample_tokens": 8, "lr": 1e-5,
               "advantages": "random"},
-    # Per-token gradients of a 135M model take seconds each, and the masks disagree on a few percent of the
-    # tokens beyond δ: the autograd truths go to small uniform samples (of the disagreements too; every token
-    # gets the real step's truth), so rounds stay cheap enough to reach 2,000 disagreements per divergence.
-    # K = 20 only: the engines' usual limit, and each K is a pass over the 49,152-token vocabulary.
+    # Per-token gradients of a 135M model take seconds each: the samples are small, the refinements'
+    # disagreements are sampled, and the paper's masks' disagreements (all of them get truth) are most of the
+    # cost. K = 20 only: the engines' usual limit, and each K is a pass over the 49,152-token vocabulary.
     "scale": {"task": "arithmetic", "prompts": 16, "group_size": 4, "stale_steps": 1, "sample_tokens": 2, "beyond_sample": 6,
               "disagree_sample": 8, "ks": (20,), "block_positions": 128, "lr": 1e-5, "advantages": "random",
               "rounds": 5000},
@@ -84,8 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-tokens", type=int, help="per round: uniform sample of all tokens with autograd ground truth")
     p.add_argument("--beyond-sample", type=int, help="per round: uniform sample of the tokens beyond δ with autograd truth")
     p.add_argument("--disagree-sample", type=int,
-                   help="per round and divergence: uniform sample of the tokens where a predictive mask and its "
-                        "ratio-sign counterpart disagree, with autograd truth (default all)")
+                   help="per round: uniform sample of the disagreements of pdmask's refinements with truth "
+                        "(default all; the paper's masks' and PDM full's always get truth)")
     p.add_argument("--rounds", type=int, help="at most this many rounds (rollout batch, stale steps, analysis); default 1")
     p.add_argument("--target-disagreements", type=int,
                    help="stop once the paper's masks and DPPO's disagreed on this many tokens for TV and for KL")

@@ -11,10 +11,9 @@ Each round (docs/analysis.md), from the same starting weights and a fresh Adam, 
 3. On the last minibatch (π = the current weights in fp32), per response token with A ≠ 0, in blocks of
    ``block_positions`` positions: the true D, every direction signal (ratio sign, each registered
    estimator of G at each K) and every registered direction mask's decision (``pdmask.decide``).
-4. Autograd ground truths only where they decide something: the tokens beyond δ on which a predictive
-   mask and its ratio-sign counterpart decide differently (all of them, or a uniform sample of
-   ``disagree_sample`` per round), a uniform sample of the tokens beyond δ (the mask view's rates) and a
-   uniform sample of all tokens (the agreement tables, check 5).
+4. Autograd ground truths only where they decide something: every token beyond δ on which a predictive
+   mask and its ratio-sign counterpart decide differently, a uniform sample of the tokens beyond δ
+   (the mask view's rates) and a uniform sample of all tokens (the agreement tables, check 5).
 5. The actual change of D of every token after one real step on the whole minibatch (Adam with its
    state, and a plain gradient step of the same parameter-space length).
 A round keeps only per-token float32/bool vectors (``ROUND_FILE``, written atomically); a rerun with
@@ -51,6 +50,8 @@ FULL_ESTIMATORS = tuple(dict.fromkeys(m.estimator for m in _PDM if m.info == "fu
 TOPK_ESTIMATORS = tuple(dict.fromkeys(m.estimator for m in _PDM if m.info == "topk"))
 #: The paper's top-K estimators (docs/method.md): their disagreements with DPPO's ratio sign are the run's target.
 PAPER_ESTIMATORS = ("aggregated", "uniform")
+#: Estimators whose every disagreement with the ratio sign gets autograd truth (the others' may be sampled).
+ALWAYS_MEASURED = (*PAPER_ESTIMATORS, "full")
 #: The surrogate of the optimizer steps: truncated IS without a trust region, so every token moves.
 STEP_METHOD = "pg_is"
 #: Truths by autograd on selected tokens (NaN elsewhere); the step_* truths are measured on every token.
@@ -83,8 +84,8 @@ class AnalysisConfig:
     advantages: str = "grpo"  # grpo | random
     sample_tokens: int = 2048  # per round: uniform sample of all analysed tokens with autograd truth
     beyond_sample: int = 512  # per round: uniform sample of the tokens beyond δ with autograd truth
-    # Per round and kind: uniform sample of the tokens where any predictive mask and its ratio-sign counterpart
-    # decide differently, with autograd truth (None: all). Every disagreement gets the real step's truth.
+    # Per round: uniform sample of the tokens where any predictive mask and the ratio sign decide differently
+    # (None: all). The paper's masks' and PDM full's disagreements (ALWAYS_MEASURED) get truth regardless.
     disagree_sample: int | None = None
     rounds: int = 1  # at most this many rounds
     target_disagreements: int | None = None  # stop once the paper's masks disagree with DPPO this often, per kind
@@ -392,12 +393,13 @@ def run_round(
     targeted = {kind: disagreements(masks, kind) for kind in KINDS}
     size = m if cfg.disagree_sample is None else cfg.disagree_sample
     disagree_sampled = {kind: _uniform(targeted[kind], size, gen) for kind in KINDS}
+    measured = {kind: disagree_sampled[kind] | disagreements(masks, kind, ALWAYS_MEASURED) for kind in KINDS}
     union_beyond = none.clone()
     for dec in masks.values():
         union_beyond |= dec["beyond"]
     sampled = _uniform(~none, cfg.sample_tokens, gen)
     beyond_sampled = _uniform(union_beyond, cfg.beyond_sample, gen)
-    need = torch.stack([sampled | beyond_sampled | disagree_sampled[kind] for kind in KINDS], 1)  # [M, kinds]
+    need = torch.stack([sampled | beyond_sampled | measured[kind] for kind in KINDS], 1)  # [M, kinds]
     truth: dict[str, Tensor] = {}
     pick = sampled.nonzero().squeeze(-1)
     for kind in KINDS:
@@ -523,8 +525,7 @@ def record_masks(rec: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
 
 def paper_disagreements(rec: dict[str, Tensor]) -> dict[str, int]:
     """Per kind: tokens of a record where one of the paper's top-K predictive estimators (as a mask) and
-    DPPO's top-K mask decide differently (each gets the real step's truth, and autograd truth unless
-    ``disagree_sample`` samples them); the run's stopping count."""
+    DPPO's top-K mask decide differently — all of them get autograd truth; the run's stopping count."""
     masks = record_masks(rec)
     return {kind: int(disagreements(masks, kind, PAPER_ESTIMATORS).sum()) if masks else 0 for kind in KINDS}
 

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from pdmask import METHODS
 from pdmask.analysis.experiment import (
+    ALWAYS_MEASURED,
     AUTOGRAD_TRUTHS,
     FULL_ESTIMATORS,
     PAPER_ESTIMATORS,
@@ -86,7 +87,7 @@ def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
             "beyond_delta": int(beyond.sum()),
             "beyond_delta_sampled": int((beyond & res.beyond_sampled).sum()),
             "pdm_full_differs_from_ratio": int(differ.sum()),
-            # pdm_full and dppo_full decide differently there: autograd truth on all or on disagree_sample's sample.
+            # Every one of these has autograd truth: pdm_full and dppo_full decide differently there.
             "differs_beyond_delta": int((differ & beyond).sum()),
             "paper_masks_differ_from_dppo": int(disagreements(res.masks, kind, PAPER_ESTIMATORS).sum()),
             "targeted": int(res.targeted[kind].sum()),
@@ -96,8 +97,8 @@ def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
         per_truth: dict = {}
         for tname in TRUTHS:
             truth = res.truth[kind][tname]
-            # Autograd truths exist on uniform samples plus the disagreements beyond δ (all, or a uniform sample):
-            # rates over all tokens, beyond δ and by π(a) use the uniform samples only, so they stay unbiased.
+            # Autograd truths exist on uniform samples plus every disagreement beyond δ: rates over all
+            # tokens, beyond δ and by π(a) use the uniform samples only, so they stay unbiased.
             population, beyond_population = _populations(res, tname)
             subsets = {"all": population, "beyond_delta": beyond_population & beyond, "differs_beyond_delta": differ & beyond}
             per_signal: dict = {}
@@ -148,8 +149,8 @@ def summarize_masks(res: TokenResults, delta: dict[str, float]) -> dict:
         other = m.dppo_counterpart
         if m.rule == "pdm" and other in res.masks:
             other_keep = res.masks[other]["keep"]
-            # Autograd truths on the uniform sample of the disagreements (all of them without disagree_sample).
-            sample = res.disagree_sampled[m.kind]
+            # Autograd truths: every disagreement of the ALWAYS_MEASURED estimators, a uniform sample of the others'.
+            sample = None if m.estimator in ALWAYS_MEASURED else res.disagree_sampled[m.kind]
             out[name]["paired"] = {"counterpart": other, "differ": int((dec["keep"] != other_keep).sum())} | {
                 tname: paired_view(dec["keep"], other_keep, res.truth[m.kind][tname], res.row,
                                    None if tname not in AUTOGRAD_TRUTHS else sample)
