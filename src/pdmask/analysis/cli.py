@@ -16,6 +16,7 @@ import torch
 from pdmask.analysis.experiment import (
     SOURCES,
     AnalysisConfig,
+    check_shard,
     config_dict,
     run_analysis,
 )
@@ -221,14 +222,12 @@ def paired_table(summary: dict, kind: str):
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
-    """"I/N" -> (I, N); raises ValueError naming --shard."""
+    """"I/N" -> (I, N), checked before any model is loaded; raises ValueError naming the shard."""
     try:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
         raise ValueError(f"--shard must be I/N (e.g. 0/2), got {text!r}.") from None
-    if not 0 <= i < n:
-        raise ValueError(f"--shard I/N needs 0 <= I < N, got {text!r}.")
-    return i, n
+    return check_shard((i, n))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -541,6 +541,14 @@ def _round_line(index: int, rec: dict[str, Tensor], seconds: float, counts: dict
             f"the paper's masks and DPPO's differed so far on {so_far}")
 
 
+def check_shard(shard: tuple[int, int]) -> tuple[int, int]:
+    """``shard`` unchanged if it is (I, N) with 0 <= I < N; raises ValueError naming it otherwise."""
+    worker, workers = shard
+    if not 0 <= worker < workers:
+        raise ValueError(f"shard must be I/N with 0 <= I < N, got {worker}/{workers}.")
+    return shard
+
+
 def run_analysis(
     cfg: AnalysisConfig,
     policy: nn.Module,
@@ -562,9 +570,7 @@ def run_analysis(
     Returns the results of the rounds seen and the summed timings of the rounds computed in this call.
     """
     cfg.validate()
-    worker, workers = shard
-    if not 0 <= worker < workers:
-        raise ValueError(f"shard must be I/N with 0 <= I < N, got {worker}/{workers}.")
+    worker, workers = check_shard(shard)
     rounds_dir = out_dir / "rounds"
     rounds_dir.mkdir(parents=True, exist_ok=True)
     _check_resumable(cfg, out_dir / "run.json")
