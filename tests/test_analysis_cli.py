@@ -101,3 +101,21 @@ def test_shards_compute_only_their_rounds(smoke) -> None:
     assert (out / "rounds" / "round_00002.pt").exists()
     assert (out / "rounds" / "round_00001.pt").exists() == had_round_1
     assert (out / "report.md").stat().st_mtime_ns == report
+
+
+def test_rounds_of_another_version_are_refused(smoke, tmp_path, capsys) -> None:
+    """A round file that records other quantities than the run's earlier rounds is not mixed in."""
+    import shutil
+
+    import torch
+
+    root, _ = smoke
+    out = tmp_path / "analyze"
+    shutil.copytree(root / "analyze", out)
+    saved = torch.load(out / "rounds" / "round_00000.pt", weights_only=True)
+    saved["tokens"].pop("mask/pdm_full_tv/keep")
+    torch.save(saved, out / "rounds" / "round_00001.pt")
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(None):
+        mp.setenv("PDMASK_CACHE", str(root / "cache"))
+        assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "2"]) == 2
+    assert "another version of pdmask" in " ".join(capsys.readouterr().err.split())  # rich wraps long lines

@@ -541,6 +541,24 @@ def _round_line(index: int, rec: dict[str, Tensor], seconds: float, counts: dict
             f"the paper's masks and DPPO's differed so far on {so_far}")
 
 
+def _check_same_record(rec: dict[str, Tensor], records: Sequence[dict[str, Tensor]], path: Path) -> None:
+    """Raises ValueError if ``rec`` (from ``path``) holds other quantities than the run's earlier rounds.
+
+    Round files outlive the code that wrote them (a long run is continued later, or elsewhere): a version of
+    pdmask that records other signals or masks must start a new run instead of mixing its rounds in.
+    """
+    earlier = next((r for r in records if len(r["adv"])), None)
+    if earlier is None or rec.keys() == earlier.keys():
+        return
+    diff = sorted(rec.keys() ^ earlier.keys())
+    more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
+    raise ValueError(
+        f"{path} records other quantities than the run's earlier rounds ({', '.join(diff[:3])}{more}): "
+        "it was written by another version of pdmask. Continue the run with the version that wrote it, "
+        "or choose another --out."
+    )
+
+
 def check_shard(shard: tuple[int, int]) -> tuple[int, int]:
     """``shard`` unchanged if it is (I, N) with 0 <= I < N; raises ValueError naming it otherwise."""
     worker, workers = shard
@@ -593,6 +611,8 @@ def run_analysis(
                 times[k] = times.get(k, 0.0) + v
         else:
             rec = torch.load(path, weights_only=True)["tokens"]
+        if len(rec["adv"]):
+            _check_same_record(rec, records, path)
         records.append(rec)
         if advance:
             advance()
