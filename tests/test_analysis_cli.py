@@ -119,3 +119,24 @@ def test_rounds_of_another_version_are_refused(smoke, tmp_path, capsys) -> None:
         mp.setenv("PDMASK_CACHE", str(root / "cache"))
         assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "2"]) == 2
     assert "another version of pdmask" in " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+
+
+def test_a_round_of_another_version_is_not_written_into_the_run(smoke, tmp_path, monkeypatch) -> None:
+    """A computed round that records other quantities than the run's earlier rounds is refused before it is saved."""
+    import shutil
+
+    import torch
+
+    from pdmask.analysis import experiment
+
+    root, _ = smoke
+    out = tmp_path / "analyze"
+    shutil.copytree(root / "analyze", out)
+    (out / "rounds" / "round_00001.pt").unlink(missing_ok=True)
+    other = torch.load(out / "rounds" / "round_00000.pt", weights_only=True)
+    other["tokens"].pop("mask/pdm_full_tv/keep")
+    monkeypatch.setattr(experiment, "run_round", lambda *args, **kwargs: (other["tokens"], other["timing"]))
+    monkeypatch.setenv("PDMASK_CACHE", str(root / "cache"))
+    with contextlib.redirect_stdout(None):
+        assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "2"]) == 2
+    assert not (out / "rounds" / "round_00001.pt").exists()

@@ -542,20 +542,21 @@ def _round_line(index: int, rec: dict[str, Tensor], seconds: float, counts: dict
 
 
 def _check_same_record(rec: dict[str, Tensor], records: Sequence[dict[str, Tensor]], path: Path) -> None:
-    """Raises ValueError if ``rec`` (from ``path``) holds other quantities than the run's earlier rounds.
+    """Raises ValueError if ``rec`` (loaded from, or to be written to, ``path``) holds other quantities than the
+    run's earlier rounds; an empty round (no token with A != 0) holds nothing to compare.
 
     Round files outlive the code that wrote them (a long run is continued later, or elsewhere): a version of
     pdmask that records other signals or masks must start a new run instead of mixing its rounds in.
     """
     earlier = next((r for r in records if len(r["adv"])), None)
-    if earlier is None or rec.keys() == earlier.keys():
+    if not len(rec["adv"]) or earlier is None or rec.keys() == earlier.keys():
         return
     diff = sorted(rec.keys() ^ earlier.keys())
     more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
     raise ValueError(
         f"{path} records other quantities than the run's earlier rounds ({', '.join(diff[:3])}{more}): "
-        "it was written by another version of pdmask. Continue the run with the version that wrote it, "
-        "or choose another --out."
+        "one of them comes from another version of pdmask. Continue the run with the version that wrote its "
+        "rounds, or choose another --out."
     )
 
 
@@ -606,13 +607,13 @@ def run_analysis(
         if computed:
             policy.load_state_dict(start)
             rec, round_times = run_round(cfg, index, policy, engine, task, progress)
+        else:
+            rec = torch.load(path, weights_only=True)["tokens"]
+        _check_same_record(rec, records, path)  # before a computed round is written into the run
+        if computed:
             save_atomic({"round": index, "tokens": rec, "timing": round_times}, path)
             for k, v in round_times.items():
                 times[k] = times.get(k, 0.0) + v
-        else:
-            rec = torch.load(path, weights_only=True)["tokens"]
-        if len(rec["adv"]):
-            _check_same_record(rec, records, path)
         records.append(rec)
         if advance:
             advance()
