@@ -68,6 +68,7 @@ def _results(m: int = 40) -> TokenResults:
         disagree_sampled={k: targeted.clone() for k in ("tv", "kl")},
         row=torch.arange(m) // 2,
         masks=masks,
+        round_index=torch.arange(m) // 4,  # rounds of 4 tokens (2 responses) each
     )
 
 
@@ -132,3 +133,27 @@ def test_mask_view_counts_the_uniform_sample_beyond_delta() -> None:
     assert view["dppo_topk_tv"]["dropped"] == 0 and view["dppo_topk_tv"]["drop_share"] == 0.0
     assert view["pdm_proportional_tv"]["kind"] == "tv" and view["pdm_proportional_tv"]["rule"] == "pdm"
     assert any("unsafe keeps" in line and "dppo_topk_tv" in line for line in verdict(summary))
+
+
+def test_paired_view_is_split_into_rounds_of_disjoint_seeds() -> None:
+    res = _results()
+    paired = summarize(res, {"tv": 0.15, "kl": 0.05})["mask_view"]["pdm_proportional_tv"]["paired"]
+    halves = paired["halves"]
+    # Tokens 30..34 (the measured disagreements) lie in rounds 7 (30, 31) and 8 (32..34).
+    assert (halves["even"]["own_sgd"]["n"], halves["odd"]["own_sgd"]["n"]) == (3, 2)
+    for half, rounds in (("even", [8]), ("odd", [7])):
+        own = res.truth["tv"]["own_sgd"]
+        chosen = (torch.arange(40) >= 30) & (torch.arange(40) < 35) & torch.isin(res.round_index, torch.tensor(rounds))
+        assert halves[half]["own_sgd"]["k"] == int((own[chosen] > 0).sum())
+    assert halves["even"]["own_sgd"]["n"] + halves["odd"]["own_sgd"]["n"] == paired["own_sgd"]["n"]
+    assert "halves" not in halves["even"]  # one level deep
+    assert any("disjoint seeds" in line for line in verdict(summarize(res, {"tv": 0.15, "kl": 0.05})))
+
+
+def test_select_keeps_every_per_token_array_aligned() -> None:
+    res = _results()
+    keep = res.round_index % 2 == 1
+    sub = res.select(keep)
+    assert torch.equal(sub.row, res.row[keep]) and torch.equal(sub.round_index, res.round_index[keep])
+    assert torch.allclose(sub.truth["tv"]["own_sgd"], res.truth["tv"]["own_sgd"][keep], equal_nan=True)
+    assert torch.equal(sub.masks["pdm_proportional_tv"]["keep"], res.masks["pdm_proportional_tv"]["keep"][keep])

@@ -210,11 +210,11 @@ def paired_table(summary: dict, kind: str):
     from rich.table import Table
 
     from pdmask.analysis.render import share_cell
-    from pdmask.analysis.tables import PAIRED_TRUTHS, paired_rows
+    from pdmask.analysis.tables import PAIRED_COLUMNS, paired_rows
 
     table = Table(title=f"{kind.upper()}: where PDM and the ratio sign decide differently, right by PDM, % [95% CI] k/n",
                   title_justify="left")
-    for header in ("predictive mask vs ratio sign", "differ", *PAIRED_TRUTHS):
+    for header in ("predictive mask vs ratio sign", "differ", *PAIRED_COLUMNS):
         table.add_column(header, justify="left" if header.startswith("predictive") else "right")
     for label, differ, cells in paired_rows(summary, kind):
         table.add_row(label, differ, *(share_cell(c) for c in cells))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -148,12 +148,15 @@ class TokenResults:
     disagree_sampled: dict[str, Tensor]  # kind -> bool [M]: the uniform sample of ``targeted`` with truth
     row: Tensor  # [M]: the response each token belongs to (its tokens share A and context), unique over rounds
     masks: dict[str, dict[str, Tensor]]  # method -> {"beyond", "keep"} bool [M] at K = max(ks)
+    round_index: Tensor  # [M]: the round each token comes from; rounds have disjoint seeds
 
     @classmethod
-    def from_records(cls, records: Sequence[dict[str, Tensor]]) -> TokenResults:
-        """Concatenates the flat per-round records (``run_round``) into one result, in float64."""
+    def from_records(cls, records: Sequence[dict[str, Tensor]], indices: Sequence[int]) -> TokenResults:
+        """Concatenates the flat per-round records (``run_round``) of rounds ``indices`` into one result, in float64."""
         if not records:
             raise ValueError("no round has been analysed.")
+        if len(indices) != len(records):
+            raise ValueError(f"indices names {len(indices)} rounds for {len(records)} records.")
         flat = {key: torch.cat([r[key] for r in records]) for key in records[0]}
 
         def num(key: str) -> Tensor:
@@ -179,7 +182,16 @@ class TokenResults:
             disagree_sampled={kind: flat[f"disagree_sampled/{kind}"] for kind in KINDS},
             row=flat["row"],
             masks=record_masks(flat),
+            round_index=torch.repeat_interleave(torch.tensor(indices), torch.tensor([len(r["adv"]) for r in records])),
         )
+
+    def select(self, keep: Tensor) -> TokenResults:
+        """The tokens where ``keep`` (bool [M]) holds, every per-token array alike."""
+        return TokenResults(**{f.name: _take(getattr(self, f.name), keep) for f in fields(self)})
+
+
+def _take(x: Tensor | dict, keep: Tensor) -> Tensor | dict:
+    return x[keep] if isinstance(x, Tensor) else {k: _take(v, keep) for k, v in x.items()}
 
 
 def signal_name(estimate: str) -> str:
@@ -543,15 +555,14 @@ def _round_line(index: int, rec: dict[str, Tensor], seconds: float, counts: dict
 
 def _check_same_record(rec: dict[str, Tensor], records: Sequence[dict[str, Tensor]], path: Path) -> None:
     """Raises ValueError if ``rec`` (loaded from, or to be written to, ``path``) holds other quantities than the
-    run's earlier rounds; an empty round (no token with A != 0) holds nothing to compare.
+    run's earlier non-empty ``records``; an empty round (no token with A != 0) holds nothing to compare.
 
     Round files outlive the code that wrote them (a long run is continued later, or elsewhere): a version of
     pdmask that records other signals or masks must start a new run instead of mixing its rounds in.
     """
-    earlier = next((r for r in records if len(r["adv"])), None)
-    if not len(rec["adv"]) or earlier is None or rec.keys() == earlier.keys():
+    if not len(rec["adv"]) or not records or rec.keys() == records[0].keys():
         return
-    diff = sorted(rec.keys() ^ earlier.keys())
+    diff = sorted(rec.keys() ^ records[0].keys())
     more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
     raise ValueError(
         f"{path} records other quantities than the run's earlier rounds ({', '.join(diff[:3])}{more}): "
@@ -597,6 +608,7 @@ def run_analysis(
     engine = engine_factory(policy)
     times: dict[str, float] = {}
     records: list[dict[str, Tensor]] = []
+    indices: list[int] = []
     counts = dict.fromkeys(KINDS, 0)
     advance = progress("rounds", cfg.rounds) if progress else None
     for index in range(cfg.rounds):
@@ -614,7 +626,9 @@ def run_analysis(
             save_atomic({"round": index, "tokens": rec, "timing": round_times}, path)
             for k, v in round_times.items():
                 times[k] = times.get(k, 0.0) + v
-        records.append(rec)
+        if len(rec["adv"]):  # an empty round (every group got equal rewards) holds no token
+            records.append(rec)
+            indices.append(index)
         if advance:
             advance()
         for kind, c in paper_disagreements(rec).items():
@@ -624,11 +638,10 @@ def run_analysis(
         if cfg.target_disagreements is not None and min(counts.values()) >= cfg.target_disagreements:
             break
     policy.load_state_dict(start)
-    records = [r for r in records if len(r["adv"])]
     if not records:
         raise ValueError(
             "no response token of the analysed minibatches has A != 0 (every group got equal rewards): "
             "use more prompts, a larger group, another seed or --advantages random."
         )
     times["rounds_analysed"] = float(len(records))
-    return TokenResults.from_records(records), times
+    return TokenResults.from_records(records, indices), times

@@ -6,7 +6,16 @@ from pathlib import Path
 
 from pdmask import jsonio
 from pdmask.analysis.figures import write_plots
-from pdmask.analysis.tables import MASK_COLUMNS, PAIRED_TRUTHS, SUBSETS, TRUTHS, mask_rows, paired_rows, pi_bucket_labels
+from pdmask.analysis.tables import (
+    MASK_COLUMNS,
+    PAIRED_TRUTHS,
+    SEED_HALVES,
+    SUBSETS,
+    TRUTHS,
+    mask_rows,
+    paired_rows,
+    pi_bucket_labels,
+)
 
 
 def _pct(cell: dict) -> str:
@@ -100,6 +109,10 @@ def _mask_verdict(summary: dict, kind: str) -> list[str]:
         if not differ or differ == "0":
             continue
         parts = [f"{t} {_pct(c)} ({_side(c)})" for t, c in zip(PAIRED_TRUTHS, cells) if c["n"]]
+        halves = cells[len(PAIRED_TRUTHS):]
+        if all(c["n"] for c in halves):
+            parts.append("own_sgd on the " + " / ".join(SEED_HALVES) + " rounds (disjoint seeds) "
+                         + " / ".join(f"{_pct(c)} ({_side(c)})" for c in halves))
         lines.append(f"{kind.upper()}, {label}: they decide differently on {differ} tokens; right by the predictive mask: "
                      + "; ".join(parts) + ".")
     return lines
@@ -172,10 +185,13 @@ def _mask_md(summary: dict, kind: str) -> list[str]:
         "",
         "Where a predictive mask and its ratio-sign counterpart (same D) decide differently: the share of those "
         "tokens on which the truth sides with the predictive mask (it drops exactly the tokens whose update raises "
-        "D). Every such token has autograd truth; % [95% clustered Wilson] k/n.",
+        "D). Every such token has autograd truth; % [95% clustered Wilson] k/n. The last two columns split the "
+        "rounds into the even and the odd ones, two disjoint sets of seeds: a verdict that holds on one set only "
+        "is not one.",
         "",
-        "| predictive mask vs ratio sign | tokens where they differ | " + " | ".join(TRUTHS[t] for t in PAIRED_TRUTHS) + " |",
-        "|---" * (len(PAIRED_TRUTHS) + 2) + "|",
+        "| predictive mask vs ratio sign | tokens where they differ | " + " | ".join(TRUTHS[t] for t in PAIRED_TRUTHS)
+        + "".join(f" | {TRUTHS['own_sgd']}, {h} rounds" for h in SEED_HALVES) + " |",
+        "|---" * (len(PAIRED_TRUTHS) + len(SEED_HALVES) + 2) + "|",
     ]
     for label, differ, cells in paired_rows(summary, kind):
         md += [f"| {label} | {differ} | " + " | ".join(share_cell(c) for c in cells) + " |"]

@@ -37,6 +37,8 @@ SUBSETS = {
 MASK_TRUTHS = ("own_sgd", "own_adam", "step_adam", "head")
 #: Truths of the paired comparison where a predictive mask and its ratio-sign counterpart decide differently.
 PAIRED_TRUTHS = ("own_sgd", "own_adam", "step_adam")
+#: The two disjoint sets of seeds a verdict is checked on: round i has seed ``seed + 1_000_003·i``.
+SEED_HALVES = {"even": 0, "odd": 1}
 #: π(a) bucket edges: confident tokens behave differently from unlikely ones (the softmax coupling).
 PI_EDGES = (0.0, 0.1, 0.5, 0.9, 1.0)
 
@@ -121,13 +123,18 @@ def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
     return out
 
 
-def summarize_masks(res: TokenResults, delta: dict[str, float]) -> dict:
+def summarize_masks(res: TokenResults, delta: dict[str, float], split: bool = True) -> dict:
     """Per direction method: how often it acts (all tokens), its unsafe keeps / wasted drops per truth, and
-    for a predictive mask, which side the truths take where it and its ratio-sign counterpart disagree.
+    for a predictive mask, which side the truths take where it and its ratio-sign counterpart disagree,
+    over all rounds and (``split``) over the even and the odd rounds apart (disjoint seeds).
 
     Autograd truths are rated over the uniform sample of the tokens beyond δ (unbiased), the real step's
     over every token; intervals are Wilson on the effective number of tokens, clustered by response.
     """
+    halves = {
+        half: summarize_masks(res.select(res.round_index % 2 == parity), delta, split=False)
+        for half, parity in SEED_HALVES.items()
+    } if split else {}
     out: dict = {}
     for name, dec in res.masks.items():
         m = METHODS[name]
@@ -156,6 +163,8 @@ def summarize_masks(res: TokenResults, delta: dict[str, float]) -> dict:
                                    None if tname not in AUTOGRAD_TRUTHS else sample)
                 for tname in PAIRED_TRUTHS
             }
+            if halves:
+                out[name]["paired"]["halves"] = {half: h[name]["paired"] for half, h in halves.items()}
     return out
 
 
@@ -183,19 +192,30 @@ def mask_rows(summary: dict, kind: str) -> list[tuple[str, str, str, list[dict]]
 
 
 def paired_rows(summary: dict, kind: str) -> list[tuple[str, str, list[dict]]]:
-    """(predictive method vs its counterpart, tokens where they differ, PAIRED_TRUTHS cells) per method of ``kind``."""
+    """(predictive method vs its counterpart, tokens where they differ, PAIRED_TRUTHS cells, then the own
+    plain step's cell on each of SEED_HALVES) per method of ``kind``."""
     return [
-        (f"{name} vs {v['paired']['counterpart']}", str(v["paired"]["differ"]), [v["paired"][t] for t in PAIRED_TRUTHS])
+        (
+            f"{name} vs {v['paired']['counterpart']}",
+            str(v["paired"]["differ"]),
+            [v["paired"][t] for t in PAIRED_TRUTHS] + [v["paired"]["halves"][h]["own_sgd"] for h in SEED_HALVES],
+        )
         for name, v in summary["mask_view"].items()
         if v["kind"] == kind and "paired" in v
     ]
 
 
+#: Headers of paired_rows' cells.
+PAIRED_COLUMNS = (*PAIRED_TRUTHS, *(f"own_sgd, {h} rounds" for h in SEED_HALVES))
+
+
 __all__ = [
     "MASK_COLUMNS",
     "MASK_TRUTHS",
+    "PAIRED_COLUMNS",
     "PAIRED_TRUTHS",
     "PI_EDGES",
+    "SEED_HALVES",
     "SUBSETS",
     "TRUTHS",
     "agreement",
