@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from pdmask import METHODS
 from pdmask.cli import main
 from pdmask.lab.config import Config, ConfigError, config_from, load_config
 from pdmask.lab.presets import PRESETS
@@ -80,8 +81,9 @@ def test_presets_are_valid_and_fair():
     assert {"pg_is", "ppo_clip", "dppo_topk_tv", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_proportional_tv"} <= set(sizes.methods)
     assert len(sizes.seeds) >= 3
     assert {c.steps for c in sizes.configs() if c.model == "medium"} == {sizes.model_overrides["medium"]["steps"]}
-    paper = PRESETS["paper"]
-    assert len(paper.models) == 3 and set(paper.rollout_dtypes) >= {"fp32", "bf16", "fp16"} and len(paper.seeds) == 5
+    grid = PRESETS["grid"]
+    assert len(grid.models) == 3 and set(grid.rollout_dtypes) >= {"fp32", "bf16", "fp16"} and len(grid.seeds) == 5
+    assert set(grid.methods) == set(METHODS) and "paper" not in PRESETS
 
 
 def test_set_wins_over_per_model_settings(tmp_path):

@@ -6,8 +6,6 @@ K = 1 (TopK(μ) = {0}), so S = {0, 1}, π_R = .40, μ_R = .35 and T = 4 ids off 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -70,16 +68,13 @@ def test_paper_uniform_and_exactpi_are_different_estimators():
     assert 0 < differ < 400, differ
 
 
-@pytest.mark.parametrize(("old", "new"), [("pdm_bucket_kl", "pdm_aggregated_kl"), ("pdm_tail_tv", "pdm_proportional_tv")])
-def test_earlier_method_names_warn_and_map(old, new):
-    with pytest.warns(DeprecationWarning, match=new):
-        assert get_method(old) is METHODS[new]
+@pytest.mark.parametrize("old", ["pdm_bucket_kl", "pdm_tail_tv"])
+def test_names_of_no_release_are_unknown(old):
+    """Names used before the first release are not aliases: they fail with the list of methods."""
+    with pytest.raises(ValueError, match="unknown mask method .*pdm_aggregated_kl"):
+        get_method(old)
 
 
-def test_earlier_estimator_names_warn_and_give_the_same_values(stats):
-    with pytest.warns(DeprecationWarning, match="'aggregated'"):
-        old = predicted_change(stats, "kl", "bucket")
-    assert torch.equal(old, predicted_change(stats, "kl", "aggregated"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        predicted_change(stats, "kl", "uniform")  # the paper's name: no warning
+def test_unknown_estimator_names_the_choices(stats):
+    with pytest.raises(ValueError, match="estimator"):
+        predicted_change(stats, "kl", "bucket")

@@ -13,7 +13,6 @@ import pdmask
 from pdmask.integrations.verl import BINARY_METHODS, TOPK_METHODS, check_verl_version
 from pdmask.integrations.verl.losses import binary_stats
 from pdmask.integrations.verl.topk import HEAD_METHODS
-from pdmask.methods import RENAMED_METHODS
 
 from conftest import actor_config
 
@@ -33,7 +32,7 @@ def test_import_verl_registers_the_losses():
         "print(sorted(k for k in R if k.startswith('pdmask_')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    names = (*BINARY_METHODS, *TOPK_METHODS, *HEAD_METHODS, *RENAMED_METHODS)  # earlier names stay registered, deprecated
+    names = (*BINARY_METHODS, *TOPK_METHODS, *HEAD_METHODS)
     assert out.strip() == str(sorted(f"pdmask_{m}" for m in names))
     assert set(BINARY_METHODS) == {"ppo_clip", "pg_is", "dppo_binary_tv", "dppo_binary_kl"}
     assert {"pdm_proportional_tv", "pdm_aggregated_kl", "pdm_uniform_tv", "dppo_topk_kl"} <= set(TOPK_METHODS)

@@ -5,7 +5,6 @@ Notation (docs/method.md): S = TopK(μ) ∪ {a}; R = the rest bucket, π_R = 1 �
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -16,16 +15,17 @@ from pdmask.stats import FullReductions, PolicyStats
 
 KINDS = ("tv", "kl")
 INFOS = ("binary", "topk", "full")
-#: The predictive estimators of G: ``full`` (exact), the paper's two top-K tails (``aggregated``,
-#: ``uniform``) and pdmask's two refinements (``proportional``, ``exactpi``); then pdmask's kernel-aware
-#: direction G_W (``pdmask.kernel``), with a full or a top-K μ.
-ESTIMATORS = ("full", "aggregated", "uniform", "proportional", "exactpi", *KERNEL_ESTIMATORS)
+#: The paper's top-K estimators of G (docs/method.md): the aggregated tail and the uniform tail.
+PAPER_TOPK_ESTIMATORS = ("aggregated", "uniform")
+#: The paper's estimators of G: the exact ``full`` and its two top-K tails.
+PAPER_ESTIMATORS = ("full", *PAPER_TOPK_ESTIMATORS)
+#: The predictive estimators of G: the paper's, pdmask's two refinements (``proportional``, ``exactpi``),
+#: then pdmask's kernel-aware direction G_W (``pdmask.kernel``), with a full or a top-K μ.
+ESTIMATORS = (*PAPER_ESTIMATORS, "proportional", "exactpi", *KERNEL_ESTIMATORS)
 #: The estimators whose G needs μ over the whole vocabulary.
 FULL_ESTIMATORS = ("full", "kernel_full")
 #: The estimators that need the exact ‖π‖² (one more reduction over the vocabulary in the pass).
 SQ_NORM_ESTIMATORS = ("full", "proportional", "exactpi")
-#: Earlier names, still accepted with a DeprecationWarning (``uniform`` was then pdmask's ``exactpi``).
-RENAMED_ESTIMATORS = {"bucket": "aggregated", "tail": "proportional"}
 
 
 def divergence(stats: PolicyStats, kind: str, info: str) -> Tensor:
@@ -61,7 +61,7 @@ def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
     ``kernel_topk`` return the kernel-aware G_W instead (``pdmask.kernel.kernel_change``).
     """
     _check_choice("kind", kind, KINDS)
-    estimator = canonical_estimator(estimator)
+    _check_choice("estimator", estimator, ESTIMATORS)
     if estimator in KERNEL_ESTIMATORS:
         return kernel_change(stats, kind, estimator)
     pi_a, mu_a = stats.pi_a, stats.mu_a
@@ -85,21 +85,6 @@ def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
     sign_pi = (s_set * b.pi_s).sum(-1) + tail_sign_pi
     sign_pi2 = (s_set * b.pi_s.square()).sum(-1) + tail_sign_pi2
     return _tv_form(torch.sign(pi_a - mu_a), pi_a, sq, sign_pi, sign_pi2)
-
-
-def canonical_estimator(estimator: str) -> str:
-    """The estimator's current name; an earlier name (``bucket``, ``tail``) warns and maps to it."""
-    if estimator in RENAMED_ESTIMATORS:
-        new = RENAMED_ESTIMATORS[estimator]
-        warnings.warn(
-            f"estimator {estimator!r} is now called {new!r} (the paper's name, or pdmask's for its refinement); "
-            "the old name will be removed.",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return new
-    _check_choice("estimator", estimator, ESTIMATORS)
-    return estimator
 
 
 def _per_tail_id(stats: PolicyStats, x: Tensor) -> Tensor:
@@ -187,9 +172,9 @@ __all__ = [
     "ESTIMATORS",
     "INFOS",
     "KINDS",
-    "RENAMED_ESTIMATORS",
+    "PAPER_ESTIMATORS",
+    "PAPER_TOPK_ESTIMATORS",
     "SQ_NORM_ESTIMATORS",
-    "canonical_estimator",
     "divergence",
     "predicted_change",
 ]

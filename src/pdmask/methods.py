@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -14,7 +13,7 @@ from torch import Tensor
 from pdmask.estimators import (
     ESTIMATORS,
     FULL_ESTIMATORS,
-    RENAMED_ESTIMATORS,
+    PAPER_ESTIMATORS,
     SQ_NORM_ESTIMATORS,
     divergence,
     predicted_change,
@@ -82,7 +81,7 @@ class MaskMethod:
         """Where the method comes from: "paper" (DPPO, PPO or the PDM paper), or "pdmask" (an extension)."""
         if self.rule != "pdm":
             return "paper"
-        return "paper" if self.kind == "kl" and self.estimator in ("full", "aggregated", "uniform") else "pdmask"
+        return "paper" if self.kind == "kl" and self.estimator in PAPER_ESTIMATORS else "pdmask"
 
 
 def _divergence_defaults(kind: str) -> Mapping[str, float]:
@@ -151,29 +150,15 @@ def _registry() -> dict[str, MaskMethod]:
 
 #: Every mask method by name. Adding a method is one MaskMethod entry.
 METHODS: Mapping[str, MaskMethod] = MappingProxyType(_registry())
-#: Earlier method names, still accepted with a DeprecationWarning. (``pdm_uniform_*`` was then pdmask's
-#: exact-π refinement, now ``pdm_exactpi_*``; the name now means the paper's uniform-tail.)
-RENAMED_METHODS: Mapping[str, str] = MappingProxyType(
-    {f"pdm_{old}_{kind}": f"pdm_{new}_{kind}" for old, new in RENAMED_ESTIMATORS.items() for kind in ("tv", "kl")}
-)
-
-
-def canonical_method_name(name: str) -> str:
-    """The method's current name: an earlier name warns and maps to it; an unknown name raises."""
-    if isinstance(name, str) and name in RENAMED_METHODS:
-        new = RENAMED_METHODS[name]
-        warnings.warn(f"mask method {name!r} is now called {new!r}; the old name will be removed.", DeprecationWarning, stacklevel=3)
-        return new
-    if not isinstance(name, str) or name not in METHODS:
-        raise ValueError(f"unknown mask method {name!r}; choose one of: {', '.join(METHODS)}.")
-    return name
 
 
 def get_method(method: str | MaskMethod) -> MaskMethod:
-    """Looks a method up by name (or passes a MaskMethod through)."""
+    """Looks a method up by name (or passes a MaskMethod through); an unknown name raises ValueError listing them."""
     if isinstance(method, MaskMethod):
         return method
-    return METHODS[canonical_method_name(method)]
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"unknown mask method {method!r}; choose one of: {', '.join(METHODS)}.")
+    return METHODS[method]
 
 
 def resolve_thresholds(method: MaskMethod, overrides: Mapping[str, float | None]) -> dict[str, float]:
@@ -330,11 +315,9 @@ def _broadcast_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
 
 __all__ = [
     "METHODS",
-    "RENAMED_METHODS",
     "MaskDecision",
     "MaskMethod",
     "beyond_threshold",
-    "canonical_method_name",
     "decide",
     "get_method",
     "method_thresholds",

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset",
         default="default",
         help="smoke (<1 min), default (about 8 min on 2 cores), tv (about 10 min, estimated), long (about 37 min), collapse, sizes "
-        "(about an hour), vllm or paper (about a day); rerun the same command to resume",
+        "(about an hour), vllm or grid (every method x size x precision, more than a day); rerun the same command to resume",
     )
     parser.add_argument("--out", default="runs/compare", help="output folder (report.md, report.json, plots/, runs/)")
     parser.add_argument("--methods", help="comma-separated methods (overrides the preset)")
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     n = len(sweep.configs())
     print(f"pdmask compare: preset {args.preset!r}, {n} runs, {args.workers} worker(s), output {out}")
-    if args.preset == "paper" or args.estimate:
+    if args.preset == "grid" or args.estimate:
         est = estimate_seconds(sweep, args.workers)
         print(
             f"estimated run time: {est / 60:.1f} min ({est / 3600:.2f} h) with {args.workers} worker(s); "

@@ -26,8 +26,12 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Config:
+    """One lab run. ``Config()`` is a quick check on the tiny policy (lr 1e-4, exact reward: the earlier setting
+    in which every mask only slows a collapse, docs/lab.md); the calibrated setting in which RL learns is
+    ``pdmask.lab.presets.LEARNS``, the base of the ``default``, ``tv`` and ``long`` presets."""
+
     # What a sweep varies.
-    method: str = "pdm_proportional_tv"  # any key of pdmask.METHODS
+    method: str = "pdm_aggregated_kl"  # any key of pdmask.METHODS; default: the paper's configuration
     seed: int = 0
     model: str = "tiny"  # tiny | small | medium | smollm2-135m | hf:PATH
     rollout_dtype: str = "bf16"  # the rollout engine's precision: fp32 | bf16 | fp16 | fp8 (trainer: fp32)

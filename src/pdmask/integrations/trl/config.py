@@ -25,8 +25,8 @@ class PDMConfig(GRPOConfig):
     """
 
     mask_method: str = field(
-        default="pdm_proportional_tv",
-        metadata={"help": "Trust-region mask: any name in pdmask.METHODS (ppo_clip, dppo_binary_tv, pdm_proportional_tv…)."},
+        default="pdm_aggregated_kl",
+        metadata={"help": "Trust-region mask: a pdmask.METHODS name (default: the paper's pdm_aggregated_kl; ppo_clip, dppo_topk_kl...)."},
     )
     # Not `top_k`: GRPOConfig.top_k is the sampler's top-k filter.
     mask_top_k: int = field(default=20, metadata={"help": "K: top log-probs of the rollout policy kept per token."})

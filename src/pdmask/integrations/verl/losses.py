@@ -16,7 +16,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl.utils.torch_functional import masked_mean
 
 from pdmask.loss import decision_loss, mask_metrics
-from pdmask.methods import METHODS, RENAMED_METHODS, MaskMethod, decide, get_method, method_thresholds
+from pdmask.methods import METHODS, MaskMethod, decide, get_method, method_thresholds
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import PolicyStats, stats_from_set
 
@@ -35,11 +35,11 @@ def loss_name(method: str | MaskMethod) -> str:
 
 
 def method_of(loss_mode: Any) -> MaskMethod | None:
-    """The pdmask method of a verl ``loss_mode`` ``pdmask_<name>`` (an earlier name warns and maps), else None."""
+    """The pdmask method of a verl ``loss_mode`` ``pdmask_<name>`` , else None."""
     if not isinstance(loss_mode, str) or not loss_mode.startswith("pdmask_"):
         return None
     name = loss_mode.removeprefix("pdmask_")
-    return get_method(name) if name in METHODS or name in RENAMED_METHODS else None
+    return get_method(name) if name in METHODS else None
 
 
 def verl_thresholds(method: MaskMethod, config: Any) -> dict[str, float]:
@@ -120,8 +120,6 @@ def register(method: MaskMethod, stats_of: Callable[[Tensor, Tensor, Tensor], Po
     policy_loss.__name__ = policy_loss.__qualname__ = loss_name(method)
     policy_loss.__doc__ = f"verl policy loss for pdmask's {method.name!r}{doc}: {method.description}"
     register_policy_loss(loss_name(method))(policy_loss)
-    for old in (old for old, new in RENAMED_METHODS.items() if new == method.name):  # deprecated names keep working
-        register_policy_loss(f"pdmask_{old}")(policy_loss)
 
 
 for _name in BINARY_METHODS:
