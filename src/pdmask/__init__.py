@@ -1,6 +1,7 @@
 """pdmask: predictive divergence masks (PDM), DPPO and PPO trust-region masks for RL of LLMs."""
 
 from pdmask.estimators import divergence, predicted_change
+from pdmask.exact import exact_divergence
 from pdmask.hidden import policy_stats_from_hidden
 from pdmask.loss import (
     AGG_MODES,
@@ -31,6 +32,7 @@ __all__ = [
     "decide",
     "decision_loss",
     "divergence",
+    "exact_divergence",
     "get_method",
     "mask_metrics",
     "method_thresholds",

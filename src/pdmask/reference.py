@@ -9,15 +9,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pdmask.exact import exact_divergence
+
 
 def tv(pi: Tensor, mu: Tensor) -> Tensor:
-    """½ Σ_i |π_i − μ_i| over the last dim."""
-    return 0.5 * (pi - mu).abs().sum(-1)
+    """½ Σ_i |π_i − μ_i| over the last dim (probabilities [..., V])."""
+    return exact_divergence(pi.log(), mu.log(), "tv")
 
 
 def kl(pi: Tensor, mu: Tensor) -> Tensor:
-    """KL(μ‖π) = Σ_i μ_i (log μ_i − log π_i), with 0·log 0 = 0."""
-    return torch.where(mu > 0, mu * (mu.log() - pi.log()), torch.zeros_like(mu)).sum(-1)
+    """KL(μ‖π) = Σ_i μ_i (log μ_i − log π_i), with 0·log 0 = 0 (probabilities [..., V])."""
+    return exact_divergence(pi.log(), mu.log(), "kl")
 
 
 DIVERGENCES = {"tv": tv, "kl": kl}

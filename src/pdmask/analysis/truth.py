@@ -19,23 +19,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-KINDS = ("tv", "kl")
+from pdmask.estimators import KINDS
+from pdmask.exact import exact_divergence
 
 
 def full_divergence(logits: Tensor, mu_logp: Tensor, kind: str) -> Tensor:
-    """Exact D(softmax(logits), μ) per row [...], differentiable w.r.t. logits [..., V].
-
-    ``mu_logp`` [..., V] is log μ (−inf where μ is 0). TV = ½Σ|π−μ|; KL = KL(μ‖π) = Σ μ (log μ − log π).
-    """
-    logp = torch.log_softmax(logits, -1)
-    mu_logp = mu_logp.to(logp.dtype)
-    mu = mu_logp.exp()
-    if kind == "tv":
-        return 0.5 * (logp.exp() - mu).abs().sum(-1)
-    if kind == "kl":
-        # μ = 0 terms are 0 (and must not turn into 0·(−inf) = NaN).
-        return torch.where(mu > 0, mu * (mu_logp - logp), 0.0).sum(-1)
-    raise ValueError(f"kind must be 'tv' or 'kl', got {kind!r}.")
+    """Exact D(softmax(logits), μ) per row [...] (``pdmask.exact.exact_divergence``), differentiable w.r.t. logits [..., V];
+    ``mu_logp`` [..., V] is log μ (−inf where μ is 0)."""
+    return exact_divergence(torch.log_softmax(logits, -1), mu_logp, kind)
 
 
 def own_change(

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 import pdmask
 from pdmask import METHODS, RolloutLogprobs, jsonio
+from pdmask.exact import exact_divergence
 from pdmask.lab.config import Config, ConfigError
 from pdmask.lab.engine import RolloutBatch, RolloutEngine, sample
 from pdmask.lab.files import save_atomic, write_text_atomic
@@ -130,7 +131,7 @@ def mismatch_metrics(logits: Tensor, mb: RolloutBatch) -> dict[str, float]:
     logp = torch.log_softmax(logits, dim=-1)
     p = logp.exp()
     if mb.full_logp is not None:
-        tv = 0.5 * (p - mb.full_logp.exp()).abs().sum(-1)
+        tv = exact_divergence(logp, mb.full_logp, "tv")
     else:
         tv = pdmask.divergence(pdmask.policy_stats(logits, mb.tokens, mb.rollout_logprobs()), "tv", "topk")
     mask = mb.response_mask
