@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
 from pdmask.cli import main
-from pdmask.tools.bench import Row, make_inputs, measure, paths, peak_bytes, render
+from pdmask.tools import bench
+from pdmask.tools.bench import PATHS, Row, make_inputs, measure, paths, peak_bytes, render
 from pdmask.tools.bench_hidden import HIDDEN_PATHS, HiddenConfig, measure_hidden, render_hidden
 
 
@@ -19,7 +23,40 @@ def inputs():
 def test_benchmark_statistics(benchmark, inputs, path):
     fn = paths(*inputs)[path]
     with torch.no_grad():
-        benchmark(fn)
+        out = benchmark(fn)
+    logits = inputs[0]
+    for t in out if isinstance(out, tuple) else (out,):
+        assert t.shape[0] == logits.shape[0]
+        assert t.dtype == torch.bool or bool(torch.isfinite(t).all()), path
+
+
+def _finite_numbers(x) -> list[float]:
+    """Every number of a JSON value (None, the 'no such ratio' of a row, is skipped)."""
+    if isinstance(x, dict):
+        return [v for item in x.values() for v in _finite_numbers(item)]
+    if isinstance(x, list):
+        return [v for item in x for v in _finite_numbers(item)]
+    return [x] if isinstance(x, (int, float)) and not isinstance(x, bool) else []
+
+
+def test_bench_report_has_every_path_with_finite_positive_numbers(tmp_path, monkeypatch, capsys):
+    """`pdmask bench --json` on a small grid: one row per grid entry, every path timed and measured, all finite."""
+    monkeypatch.setattr(bench, "QUICK_GRID", [(4_000, 64, "float32"), (4_000, 64, "bfloat16")])
+    monkeypatch.setattr(bench, "QUICK_HIDDEN_GRID", [HiddenConfig(4_000, 32, 64, "float32")])
+    report = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--repeats", "1", "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert set(data) == {"logits", "hidden"} and len(data["logits"]) == 2 and len(data["hidden"]) == 1
+    for row in data["logits"]:
+        assert (row["vocab"], row["positions"]) == (4_000, 64)
+        assert set(row["ms"]) == set(row["peak_mib"]) == set(PATHS)
+        assert all(v > 0 for v in row["ms"].values()) and row["logits_mib"] > 0 and row["tail_vs_dppo_topk"] > 0
+    hidden = data["hidden"][0]
+    assert set(hidden["ms"]) == set(hidden["cpu_ms"]) == set(hidden["extra_mib"]) == set(HIDDEN_PATHS)
+    assert all(v > 0 for v in hidden["ms"].values())
+    numbers = _finite_numbers(data)
+    assert numbers and all(math.isfinite(v) and v >= 0 for v in numbers)
+    assert "pdmask bench" in capsys.readouterr().out
 
 
 def test_measure_reports_every_path():
