@@ -127,7 +127,7 @@ def test_a_round_of_another_version_is_not_written_into_the_run(smoke, tmp_path,
 
     import torch
 
-    from pdmask.analysis import experiment
+    from pdmask.analysis import run
 
     root, _ = smoke
     out = tmp_path / "analyze"
@@ -135,7 +135,7 @@ def test_a_round_of_another_version_is_not_written_into_the_run(smoke, tmp_path,
     (out / "rounds" / "round_00001.pt").unlink(missing_ok=True)
     other = torch.load(out / "rounds" / "round_00000.pt", weights_only=True)
     other["tokens"].pop("mask/pdm_full_tv/keep")
-    monkeypatch.setattr(experiment, "run_round", lambda *args, **kwargs: (other["tokens"], other["timing"]))
+    monkeypatch.setattr(run, "run_round", lambda *args, **kwargs: (other["tokens"], other["timing"]))
     monkeypatch.setenv("PDMASK_CACHE", str(root / "cache"))
     with contextlib.redirect_stdout(None):
         assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "2"]) == 2

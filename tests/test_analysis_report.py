@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmask.analysis.experiment import TokenResults
 from pdmask.analysis.rates import wilson
+from pdmask.analysis.records import TokenResults
 from pdmask.analysis.render import verdict
 from pdmask.analysis.tables import TRUTHS, agreement, summarize
 

@@ -1,6 +1,8 @@
 """The direction-signal analysis behind ``pdmask analyze`` (docs/analysis.md).
 
-Ground truth by autograd (``truth``), one run of the experiment in resumable rounds (``experiment``),
+Ground truth by autograd (``truth``), one run in resumable rounds (``config``, ``run``; each round's
+stages: ``rollouts``, ``stale``, ``signals``, ``targets``, ``step``, composed by ``round``; the per-token
+record and results: ``records``; the policy's plumbing: ``model``),
 each direction mask's unsafe keeps and wasted drops (``maskview``,
 with the intervals of ``rates``), the agreement tables' numbers (``tables``), their words: verdict,
 cells and report.md (``render``), and their plots (``figures``).

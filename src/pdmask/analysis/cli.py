@@ -13,14 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdmask.analysis.experiment import (
-    SOURCES,
-    AnalysisConfig,
-    check_shard,
-    config_dict,
-    run_analysis,
-)
-from pdmask.analysis.truth import KINDS
+from pdmask.analysis.config import SOURCES, AnalysisConfig, config_dict
+from pdmask.analysis.run import check_shard, run_analysis
+from pdmask.estimators import KINDS
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pdmask.analysis.experiment import TOPK_ESTIMATORS
+from pdmask.analysis.records import TOPK_ESTIMATORS
 from pdmask.analysis.tables import MASK_COLUMNS, SUBSETS, TRUTHS, mask_rows, pi_bucket_labels
 
 #: The predictive-mask paper's unsafe-keep rates (its models and setting, not this run), drawn for scale.

@@ -9,16 +9,16 @@ import torch
 from torch import Tensor
 
 from pdmask import METHODS
-from pdmask.analysis.experiment import (
+from pdmask.analysis.maskview import mask_view, paired_view
+from pdmask.analysis.rates import wilson
+from pdmask.analysis.records import (
     ALWAYS_MEASURED,
     AUTOGRAD_TRUTHS,
     FULL_ESTIMATORS,
-    PAPER_ESTIMATORS,
     TokenResults,
     disagreements,
 )
-from pdmask.analysis.maskview import mask_view, paired_view
-from pdmask.analysis.rates import wilson
+from pdmask.estimators import PAPER_TOPK_ESTIMATORS
 
 #: Ground truths, in the order reported. "own_*" are autograd first-order changes on the token sample.
 TRUTHS = {
@@ -91,7 +91,7 @@ def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
             "pdm_full_differs_from_ratio": int(differ.sum()),
             # Every one of these has autograd truth: pdm_full and dppo_full decide differently there.
             "differs_beyond_delta": int((differ & beyond).sum()),
-            "paper_masks_differ_from_dppo": int(disagreements(res.masks, kind, PAPER_ESTIMATORS).sum()),
+            "paper_masks_differ_from_dppo": int(disagreements(res.masks, kind, PAPER_TOPK_ESTIMATORS).sum()),
             "targeted": int(res.targeted[kind].sum()),
             "divergence_mean": res.div[kind].mean().item(),
             "divergence_max": res.div[kind].max().item(),
