@@ -96,7 +96,7 @@ def _methods(per_seed_final: dict[str, dict[int, float]], start: float = 0.5) ->
 
 
 def test_verdicts_are_checked_on_disjoint_halves_of_the_seeds():
-    from pdmask.lab.summary import ask, replication
+    from pdmask.lab.verdicts import Questions, ask, replication
 
     seeds = range(8)
     # A clear gain over the start and over pg_is on every seed; PDM ahead of DPPO only on the first half.
@@ -108,11 +108,14 @@ def test_verdicts_are_checked_on_disjoint_halves_of_the_seeds():
         }
     )
     questions = ask(methods)
-    assert questions["learning"]["answer"] == "yes" and questions["trust_region"]["answer"] == "yes"
+    assert questions.learning is not None and questions.learning.answer == "yes"
+    assert questions.trust_region is not None and questions.trust_region.answer == "yes"
+    # The best masked method is chosen once, for both questions that use it.
+    assert questions.learning.best_masked == questions.trust_region.best_masked == "pdm_aggregated_kl"
     rep = replication(methods, questions)
-    assert rep["halves"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    rows = rep["verdicts"]
-    assert rows["learning"]["replicates"] and rows["trust_region"]["replicates"]
+    assert rep is not None and rep.halves == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    rows = rep.verdicts
+    assert rows["learning"].replicates and rows["trust_region"].replicates
     pdm = rows["pdm_vs_dppo:pdm_aggregated_kl"]
-    assert pdm["all"] == "pdm ahead" and pdm["halves"] == ["pdm ahead", "identical"] and not pdm["replicates"]
-    assert replication(_methods({"pg_is": {0: 0.1, 1: 0.2}}), {}) is None  # fewer than 4 seeds: no halves
+    assert pdm.all == "pdm ahead" and pdm.halves == ["pdm ahead", "identical"] and not pdm.replicates
+    assert replication(_methods({"pg_is": {0: 0.1, 1: 0.2}}), Questions(None, None, None)) is None  # fewer than 4 seeds

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdmask.lab.summary import ACCURACY_KEYS
+from pdmask.lab.run_summary import ACCURACY_KEYS
 
 
 def write_plots(settings: dict[str, Any], out: Path) -> dict[str, list[str]]:
