@@ -140,3 +140,32 @@ def test_a_round_of_another_version_is_not_written_into_the_run(smoke, tmp_path,
     with contextlib.redirect_stdout(None):
         assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "2"]) == 2
     assert not (out / "rounds" / "round_00001.pt").exists()
+
+
+def test_a_run_continues_from_its_packed_rounds(smoke, tmp_path) -> None:
+    """A run whose rounds are packed into rounds.tar.xz (as results/ keeps them) is continued and reported from
+    them as if they were unpacked: the packed rounds are unpacked, not recomputed."""
+    import shutil
+    import tarfile
+
+    from pdmask.analysis.run import ROUNDS_ARCHIVE
+
+    root, _ = smoke
+    out = tmp_path / "analyze"
+    shutil.copytree(root / "analyze", out)
+    first = (out / "rounds" / "round_00000.pt").read_bytes()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(None):
+        mp.setenv("PDMASK_CACHE", str(root / "cache"))
+        assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "1"]) == 0
+        expected = json.loads((out / "analysis.json").read_text())["counts"]
+        with tarfile.open(out / ROUNDS_ARCHIVE, "w:xz") as tar:
+            tar.add(out / "rounds" / "round_00000.pt", "rounds/round_00000.pt")
+        shutil.rmtree(out / "rounds")
+        assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "1"]) == 0
+    assert (out / "rounds" / "round_00000.pt").read_bytes() == first
+    assert json.loads((out / "analysis.json").read_text())["counts"] == expected
+    with tarfile.open(out / ROUNDS_ARCHIVE, "w:xz") as tar:
+        tar.add(out / "run.json", "run.json")  # an archive holds round files only
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(None):
+        mp.setenv("PDMASK_CACHE", str(root / "cache"))
+        assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "1"]) == 2

@@ -5,6 +5,10 @@ written atomically); a rerun with the same settings loads the finished rounds an
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import tarfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +27,38 @@ if TYPE_CHECKING:
     from pdmask.lab.tasks import Task
 
 ROUND_FILE = "round_{:05d}.pt"
+#: A finished run's rounds packed into one file (``results/``): ``tar -cJf rounds.tar.xz rounds``.
+ROUNDS_ARCHIVE = "rounds.tar.xz"
+_ARCHIVED_ROUND = re.compile(r"rounds/round_\d{5}\.pt")
+
+
+def unpack_rounds(out_dir: Path) -> int:
+    """Extracts the rounds of ``out_dir/ROUNDS_ARCHIVE`` that ``out_dir/rounds`` lacks; returns how many.
+
+    Only regular files named ``rounds/round_NNNNN.pt`` are read from the archive; anything else in it raises.
+    """
+    archive = out_dir / ROUNDS_ARCHIVE
+    if not archive.exists():
+        return 0
+    count = 0
+    with tarfile.open(archive) as tar:
+        for member in tar:
+            if member.isdir() and member.name == "rounds":
+                continue
+            if not (member.isfile() and _ARCHIVED_ROUND.fullmatch(member.name)):
+                raise ValueError(f"{archive}: unexpected member {member.name!r}; it should hold only rounds/round_NNNNN.pt files.")
+            target = out_dir / member.name
+            if target.exists():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            source = tar.extractfile(member)
+            assert source is not None
+            part = target.with_name(f"{target.name}.{os.getpid()}.part")  # shards may unpack at once
+            with source, open(part, "wb") as f:
+                shutil.copyfileobj(source, f)
+            part.replace(target)
+            count += 1
+    return count
 
 
 def _check_resumable(cfg: AnalysisConfig, run_file: Path) -> None:
@@ -90,7 +126,8 @@ def run_analysis(
 ) -> tuple[TokenResults, dict[str, float]]:
     """Runs rounds (``pdmask.analysis.round``) on a warm-started ``policy`` until ``cfg.rounds`` or the target.
 
-    Finished rounds live in ``out_dir/rounds``; those already there (from a killed run, or another shard,
+    Finished rounds live in ``out_dir/rounds`` (missing ones are first unpacked from ``out_dir/ROUNDS_ARCHIVE``
+    where there is one); those already there (from a killed run, or another shard,
     with the same settings) are loaded, not recomputed. ``shard = (i, n)`` computes only the rounds whose
     index is i mod n and skips the others' unfinished ones, so n processes can share ``out_dir``; a call
     with the default (0, 1) completes any gap. ``engine_factory(policy)`` builds the rollout engine (the
@@ -102,6 +139,7 @@ def run_analysis(
     worker, workers = check_shard(shard)
     rounds_dir = out_dir / "rounds"
     rounds_dir.mkdir(parents=True, exist_ok=True)
+    unpack_rounds(out_dir)
     _check_resumable(cfg, out_dir / "run.json")
     start = {k: v.detach().clone() for k, v in policy.state_dict().items()}
     engine = engine_factory(policy)
