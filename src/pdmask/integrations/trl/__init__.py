@@ -26,10 +26,10 @@ scoring forward computes besides log π(a)). TRL's version is checked when this 
 
 from __future__ import annotations
 
-from pdmask.integrations._version import in_range
+from pdmask.integrations._version import SUPPORTED, in_range
 
 #: TRL releases this integration was written and tested against: [TRL_MIN, TRL_MAX).
-TRL_MIN, TRL_MAX = "1.16", "1.17"
+TRL_MIN, TRL_MAX = SUPPORTED["trl"]
 
 
 def check_trl_version(version: str) -> None:

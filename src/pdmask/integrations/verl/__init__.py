@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import warnings
 
-from pdmask.integrations._version import in_range
+from pdmask.integrations._version import SUPPORTED, in_range
 
 #: verl releases this integration was written and tested against: [VERL_MIN, VERL_MAX).
-VERL_MIN, VERL_MAX = "0.9.1", "0.10"
+VERL_MIN, VERL_MAX = SUPPORTED["verl"]
 
 
 def check_verl_version(version: str) -> None:
