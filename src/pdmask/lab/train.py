@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 import pdmask
 from pdmask import METHODS, RolloutLogprobs, jsonio
+from pdmask.estimators import PAPER_TOPK_ESTIMATORS
 from pdmask.exact import exact_divergence
 from pdmask.lab.config import Config, ConfigError
 from pdmask.lab.engine import RolloutBatch, RolloutEngine, sample
@@ -39,7 +40,7 @@ from pdmask.lab.tasks import Task, build_task
 FULL_LOGP_BUDGET = 2**25  # floats: above this the engine returns top-K only and mismatch is a top-K estimate
 
 #: The top-K predictive estimators whose masks ``tail_metrics`` compares: the paper's two, then pdmask's.
-TAIL_ESTIMATORS = ("aggregated", "uniform", "proportional", "exactpi")
+TAIL_ESTIMATORS = (*PAPER_TOPK_ESTIMATORS, "proportional", "exactpi")
 #: Shares logged by ``tail_metrics``, pooled over a step's updates by their token counts.
 TAIL_DENOMINATORS = {
     "tail/masks_differ_frac": "count/tokens",

@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from pdmask.estimators import divergence, predicted_change
+from pdmask.estimators import PAPER_ESTIMATORS, divergence, predicted_change
 from pdmask.loss import policy_loss
 from pdmask.methods import METHODS
 from pdmask.rollout import RolloutLogprobs
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     stats = policy_stats(z, tokens, rollout)
     d = divergence(stats, "tv", "full")
-    shown = ("full", "aggregated", "uniform", "proportional")
+    shown = (*PAPER_ESTIMATORS, "proportional")
     g = {e: predicted_change(stats, "tv", e) for e in shown}
     a = adv[:, None].expand_as(d)
     differ = ((d > 0.15) & (torch.sign(stats.pi_a - stats.mu_a) != torch.sign(g["full"]))).nonzero()[:8]
