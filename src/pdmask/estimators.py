@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pdmask.exact import KINDS
 from pdmask.kernel import KERNEL_ESTIMATORS, kernel_change
 from pdmask.stats import FullReductions, PolicyStats
 
-KINDS = ("tv", "kl")
 INFOS = ("binary", "topk", "full")
 #: The paper's top-K estimators of G (docs/method.md): the aggregated tail and the uniform tail.
 PAPER_TOPK_ESTIMATORS = ("aggregated", "uniform")

@@ -1,12 +1,14 @@
 """The exact divergences over the full vocabulary: the one definition that the reference, the analysis'
-truths and the lab's mismatch metrics use (docs/method.md, "Setting")."""
+truths and the lab's mismatch metrics use (docs/method.md, "Setting"). A leaf module (torch only), so that
+the vocabulary pass can use it too."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from pdmask.estimators import KINDS
+#: The divergences: TV and the forward KL(μ‖π).
+KINDS = ("tv", "kl")
 
 
 def exact_divergence(logp: Tensor, mu_logp: Tensor, kind: str) -> Tensor:
@@ -25,4 +27,4 @@ def exact_divergence(logp: Tensor, mu_logp: Tensor, kind: str) -> Tensor:
     raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}; got {kind!r}.")
 
 
-__all__ = ["exact_divergence"]
+__all__ = ["KINDS", "exact_divergence"]
