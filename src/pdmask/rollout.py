@@ -88,17 +88,19 @@ class RolloutLogprobs:
             full_logp = torch.where(valid.unsqueeze(-1), self.full_logp, one_hot0)
         return RolloutLogprobs(logp, topk_ids, topk_logp, full_logp)
 
-    def validated(self, tokens: Tensor, vocab_size: int, dtype: torch.dtype) -> RolloutLogprobs:
+    def validated(self, tokens: Tensor, vocab_size: int, dtype: torch.dtype, check_values: bool = True) -> RolloutLogprobs:
         """Checks against the trainer's tokens [...] and vocabulary; returns a copy in ``dtype``.
 
         Raises ValueError naming the argument for every inconsistency; clamps log-probs within LOGP_TOL of 0.
+        ``check_values=False`` checks the shapes only, reading no value back to the host (no device sync):
+        for a caller who checked the same values once already.
         """
         shape = tuple(tokens.shape)
         if tuple(self.logp.shape) != shape:
             raise ValueError(f"rollout.logp has shape {tuple(self.logp.shape)}; expected the tokens' shape {shape}.")
-        logp = _check_logp("rollout.logp", self.logp.to(dtype), allow_neg_inf=False)
+        logp = self.logp.to(device=tokens.device, dtype=dtype)
         topk_ids = topk_logp = full_logp = None
-        if self.topk_ids is not None:
+        if self.topk_ids is not None and self.topk_logp is not None:
             if tuple(self.topk_ids.shape[:-1]) != shape:
                 raise ValueError(
                     f"rollout.topk_ids has shape {tuple(self.topk_ids.shape)}; expected {shape + ('K',)}."
@@ -106,13 +108,31 @@ class RolloutLogprobs:
             if self.k > vocab_size:
                 raise ValueError(f"rollout has K = {self.k} top log-probs but the vocabulary has only {vocab_size} tokens.")
             topk_ids = self.topk_ids.to(device=tokens.device, dtype=torch.long)
+            topk_logp = self.topk_logp.to(device=tokens.device, dtype=dtype)
+        if self.full_logp is not None:
+            if tuple(self.full_logp.shape) != shape + (vocab_size,):
+                raise ValueError(
+                    f"rollout.full_logp has shape {tuple(self.full_logp.shape)}; expected {shape + (vocab_size,)}."
+                )
+            full_logp = self.full_logp.to(device=tokens.device)
+        out = RolloutLogprobs(logp, topk_ids, topk_logp, full_logp)
+        if check_values:
+            out._check_values(tokens, vocab_size)
+        out.logp = logp.clamp(max=0.0)
+        out.topk_logp = None if topk_logp is None else topk_logp.clamp(max=0.0)
+        return out
+
+    def _check_values(self, tokens: Tensor, vocab_size: int) -> None:
+        """The value checks of ``validated`` (each reads a value back to the host), on shape-checked tensors."""
+        logp = _check_logp("rollout.logp", self.logp, allow_neg_inf=False)
+        if self.topk_ids is not None and self.topk_logp is not None:
+            topk_ids = self.topk_ids
             _check_ids("rollout.topk_ids", topk_ids, vocab_size)
             if self.k > 1:
                 sorted_ids = topk_ids.sort(dim=-1).values
                 if (sorted_ids[..., 1:] == sorted_ids[..., :-1]).any():
                     raise ValueError("rollout.topk_ids has a duplicate id at some position; top-K ids must be distinct.")
-            assert self.topk_logp is not None
-            topk_logp = _check_logp("rollout.topk_logp", self.topk_logp.to(device=tokens.device, dtype=dtype), True)
+            topk_logp = _check_logp("rollout.topk_logp", self.topk_logp, True)
             in_topk = topk_ids == tokens.unsqueeze(-1)
             if in_topk.any():
                 gap = (topk_logp - logp.unsqueeze(-1)).abs()[in_topk]
@@ -128,20 +148,14 @@ class RolloutLogprobs:
                     "position: pass normalised log-probs (log-softmax over the whole vocabulary), not raw logits."
                 )
         if self.full_logp is not None:
-            if tuple(self.full_logp.shape) != shape + (vocab_size,):
-                raise ValueError(
-                    f"rollout.full_logp has shape {tuple(self.full_logp.shape)}; expected {shape + (vocab_size,)}."
-                )
-            full_logp = self.full_logp.to(device=tokens.device)
-            _check_no_nan_or_pos_inf("rollout.full_logp", full_logp)
-            at_a = full_logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(dtype)
+            _check_no_nan_or_pos_inf("rollout.full_logp", self.full_logp)
+            at_a = self.full_logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(logp.dtype)
             gap = (at_a - logp).abs()
             if (gap > 1e-3).any():
                 raise ValueError(
                     "rollout.logp disagrees with rollout.full_logp at the sampled token by up to "
                     f"{gap.max().item():.3g}; both must come from the same distribution μ."
                 )
-        return RolloutLogprobs(logp.to(tokens.device), topk_ids, topk_logp, full_logp)
 
 
 def _require_tensor(name: str, x: object, *, floating: bool) -> None:
@@ -175,26 +189,30 @@ def _check_logp(name: str, logp: Tensor, allow_neg_inf: bool) -> Tensor:
     return logp.clamp(max=0.0)
 
 
-def check_tokens(tokens: object, vocab_size: int | None, shape: tuple[int, ...], source: str = "logits") -> Tensor:
-    """Checks sampled token ids [...] against the leading shape of ``source`` and (unless None) the vocabulary."""
+def check_tokens(
+    tokens: object, vocab_size: int | None, shape: tuple[int, ...], source: str = "logits", check_values: bool = True
+) -> Tensor:
+    """Checks sampled token ids [...] against the leading shape of ``source`` and (unless None, or
+    ``check_values=False``: no host-device sync) the vocabulary."""
     _require_tensor("tokens", tokens, floating=False)
     assert isinstance(tokens, Tensor)
     if tuple(tokens.shape) != shape:
         raise ValueError(f"tokens has shape {tuple(tokens.shape)}; expected the {source}' leading shape {shape}.")
     tokens = tokens.long()
-    if vocab_size is not None:
+    if vocab_size is not None and check_values:
         _check_ids("tokens", tokens, vocab_size)
     return tokens
 
 
-def as_bool_mask(response_mask: object, shape: tuple[int, ...] | torch.Size) -> Tensor:
-    """response_mask [...] of 0/1 or bool, checked against ``shape``, as bool."""
+def as_bool_mask(response_mask: object, shape: tuple[int, ...] | torch.Size, check_values: bool = True) -> Tensor:
+    """response_mask [...] of 0/1 or bool, checked against ``shape`` (and, unless ``check_values=False``,
+    for values other than 0 and 1: a host-device sync), as bool."""
     if not isinstance(response_mask, Tensor):
         raise TypeError(f"response_mask must be a torch.Tensor of 0/1 or bool, got {type(response_mask).__name__}.")
     if tuple(response_mask.shape) != tuple(shape):
         raise ValueError(f"response_mask has shape {tuple(response_mask.shape)}; expected {tuple(shape)}.")
     if response_mask.dtype != torch.bool:
-        if ((response_mask != 0) & (response_mask != 1)).any():
+        if check_values and ((response_mask != 0) & (response_mask != 1)).any():
             raise ValueError("response_mask must hold only 0 and 1 (or be bool).")
         response_mask = response_mask != 0
     return response_mask

@@ -132,6 +132,7 @@ def policy_stats(
     need_uniform: bool = False,
     response_mask: Tensor | None = None,
     head_weight: Tensor | None = None,
+    validate: bool = True,
 ) -> PolicyStats:
     """Statistics of π = softmax(logits) at the sampled tokens, in one chunked pass.
 
@@ -148,13 +149,16 @@ def policy_stats(
             (they are replaced by a neutral token before validation; their statistics are meaningless).
         head_weight: the LM head W [V, d] the logits came from (logits = (h Wᵀ + b)/T); given, the pass
             also sums Wᵀπ (and Wᵀμ, Σ sign(π − μ)·π·w with a full μ) for the kernel-aware ``pdm_kernel_*`` masks.
+        validate: check the values of tokens, rollout and response_mask and the finiteness of the logits
+            (each check reads a value back from the device); ``False`` checks shapes only, for a caller who
+            validated the same inputs once: no host-device sync.
     """
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V].")
     if logits.dim() < 1 or logits.shape[-1] < 2:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; expected [..., V] with V >= 2.")
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    prep = prepare(tokens, rollout, response_mask, tuple(logits.shape[:-1]), logits.shape[-1], dtype, "logits")
+    prep = prepare(tokens, rollout, response_mask, tuple(logits.shape[:-1]), logits.shape[-1], dtype, "logits", validate)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
     rows = chunk_size or default_chunk(logits, dtype, 3 if need_uniform else 2)
@@ -171,9 +175,10 @@ def policy_stats(
             sums = shifted_sums(z, m, set_cols, bufs, acc.tail_sq is not None)
             acc.finish_rows(sl, m, *sums, z.gather(-1, set_cols), acc.tail_product(bufs, *z.shape))
             acc.add_normalised(sl, z, bufs, set_cols, flat_u, prep.full_logp)
-    acc.check_finite("logits")
+    if validate:
+        acc.check_finite("logits")
     logp = GatherLogProb.apply(logits, prep.flat_tokens, acc.lse, rows)
-    stats = assemble(prep, acc, logp)
+    stats = assemble(prep, acc, logp, validate)
     if stats.uniform_sums is None and stats.has_topk:
 
         def second_pass() -> Tensor:
@@ -232,9 +237,9 @@ def stats_from_set(
     return stats
 
 
-def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
+def assemble(prep: Prepared, acc: Accumulators, logp: Tensor, validate: bool = True) -> PolicyStats:
     """PolicyStats from a finished pass: its inputs, its accumulators and log π(a) [n] (with its gradient)."""
-    if not torch.isfinite(logp).all():
+    if validate and not torch.isfinite(logp).all():
         raise ValueError("logits are -inf at a sampled token: the trainer gives that token probability zero.")
     shape = prep.shape
     stats = PolicyStats(

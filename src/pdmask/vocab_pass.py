@@ -88,18 +88,20 @@ def prepare(
     vocab: int,
     dtype: torch.dtype,
     source: str,
+    validate: bool = True,
 ) -> Prepared:
     """Checks tokens and rollout against the leading ``shape`` and vocabulary of ``source`` (for errors);
-    positions outside ``response_mask`` become the neutral token 0 with μ(0) = 1."""
+    positions outside ``response_mask`` become the neutral token 0 with μ(0) = 1. ``validate=False``
+    checks shapes only and reads nothing back from the device."""
     if not isinstance(rollout, RolloutLogprobs):
         raise TypeError(f"rollout must be a pdmask.RolloutLogprobs, got {type(rollout).__name__}.")
     if response_mask is not None:
-        valid = as_bool_mask(response_mask, shape)
-        if not valid.all():
+        valid = as_bool_mask(response_mask, shape, validate)
+        if not validate or not valid.all():  # unchecked: mask unconditionally rather than read the mask back
             tokens = torch.where(valid, check_tokens(tokens, None, shape, source), 0)
             rollout = rollout.masked(valid)
-    tokens = check_tokens(tokens, vocab, shape, source)
-    rollout = rollout.validated(tokens, vocab, dtype)
+    tokens = check_tokens(tokens, vocab, shape, source, validate)
+    rollout = rollout.validated(tokens, vocab, dtype, validate)
     n = tokens.numel()
     flat_tokens = tokens.reshape(n)
     set_ids = flat_tokens[:, None] if rollout.topk_ids is None else torch.cat(

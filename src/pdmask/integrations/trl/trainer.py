@@ -229,8 +229,8 @@ class PDMTrainer(GRPOTrainer):
 
     def _log_mask_metrics(self, decision: MaskDecision) -> None:
         """pdmask's metrics into TRL's ``_metrics`` as ``pdmask/...``, pooled over all processes by ``pool_metrics``."""
-        metrics = mask_metrics(decision)
-        local = torch.tensor(list(metrics.values()), device=self.accelerator.device)
+        metrics = mask_metrics(decision, as_tensors=True)  # read back once, after the gather
+        local = torch.stack(list(metrics.values())).to(self.accelerator.device)
         rows = [dict(zip(metrics, row.tolist())) for row in self.accelerator.gather(local).view(-1, len(metrics))]
         mode = "train" if self._policy.training else "eval"
         for key, value in pool_metrics(rows).items():
