@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from pdmask.rollout import RolloutLogprobs
+from pdmask.triton_pass import fused_logits_pass, use_fused
 from pdmask.vocab_pass import (
     Accumulators,
     Buffers,
@@ -163,21 +164,13 @@ def policy_stats(
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
     rows = chunk_size or default_chunk(logits, dtype, 3 if need_uniform else 2)
     check_head_weight(head_weight, logits.shape[-1], logits.device)
-    if head_weight is not None:  # cast once: every chunk spans the whole vocabulary
-        head_weight = head_weight.detach().to(dtype)
-    acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head_weight)
     source = logits.detach()
-    flat_u = prep.flat_even_mu
-    with torch.no_grad():
-        bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, dtype, logits.device, need_uniform)
-        for sl, z, set_cols, _ in logit_blocks(source, rows, prep.set_ids, bufs):
-            m = z.amax(-1)
-            sums = shifted_sums(z, m, set_cols, bufs, acc.tail_sq is not None)
-            acc.finish_rows(sl, m, *sums, z.gather(-1, set_cols), acc.tail_product(bufs, *z.shape))
-            acc.add_normalised(sl, z, bufs, set_cols, flat_u, prep.full_logp)
+    if use_fused(logits, prep, head_weight):
+        acc, logp = fused_logits_pass(logits, prep, need_sq_norm, need_uniform)
+    else:
+        acc, logp = _chunked_pass(logits, prep, rows, dtype, need_sq_norm, need_uniform, head_weight)
     if validate:
         acc.check_finite("logits")
-    logp = GatherLogProb.apply(logits, prep.flat_tokens, acc.lse, rows)
     stats = assemble(prep, acc, logp, validate)
     if stats.uniform_sums is None and stats.has_topk:
 
@@ -187,6 +180,25 @@ def policy_stats(
 
         stats.uniform_pass = second_pass
     return stats
+
+
+def _chunked_pass(
+    logits: Tensor, prep: Prepared, rows: int, dtype: torch.dtype, need_sq_norm: bool, need_uniform: bool,
+    head_weight: Tensor | None,
+) -> tuple[Accumulators, Tensor]:
+    """(accumulators, log π(a) [n] with its gradient) of [..., V] logits by chunks of ``rows`` positions in torch."""
+    if head_weight is not None:  # cast once: every chunk spans the whole vocabulary
+        head_weight = head_weight.detach().to(dtype)
+    acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head_weight)
+    flat_u = prep.flat_even_mu
+    with torch.no_grad():
+        bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, dtype, logits.device, need_uniform)
+        for sl, z, set_cols, _ in logit_blocks(logits.detach(), rows, prep.set_ids, bufs):
+            m = z.amax(-1)
+            sums = shifted_sums(z, m, set_cols, bufs, acc.tail_sq is not None)
+            acc.finish_rows(sl, m, *sums, z.gather(-1, set_cols), acc.tail_product(bufs, *z.shape))
+            acc.add_normalised(sl, z, bufs, set_cols, flat_u, prep.full_logp)
+    return acc, GatherLogProb.apply(logits, prep.flat_tokens, acc.lse, rows)
 
 
 def stats_from_set(

@@ -11,12 +11,9 @@ and the hidden-state rows of ``pdmask.tools.bench_hidden`` (forward + backward f
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,6 +24,7 @@ from pdmask.methods import trust_region_mask
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import policy_stats
 from pdmask.tools.bench_hidden import FULL_HIDDEN_GRID, QUICK_HIDDEN_GRID, HiddenRow, measure_hidden, render_hidden
+from pdmask.tools.counts import quiet_stderr
 
 HELP = (
     "Benchmark time and peak memory of the PDM tail statistics against the plain pass and DPPO's top-K statistics, "
@@ -90,7 +88,7 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     """Peak of the bytes allocated while fn runs (and its result lives), from the profiler's memory events."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
         del out
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
@@ -99,20 +97,6 @@ def peak_bytes(fn: Callable[[], object]) -> int:
         current += e.nbytes()
         peak = max(peak, current)
     return peak
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silences the profiler's start/stop lines, which its C++ side writes straight to file descriptor 2."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def measure(vocab: int, n: int, dtype: str, repeats: int) -> Row:

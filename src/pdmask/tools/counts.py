@@ -8,6 +8,8 @@ aten op the dispatcher reaches below autograd, except those that only make a vie
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -66,6 +68,37 @@ def counting() -> Iterator[_Counting]:
         torch.Tensor.tolist = original  # type: ignore[method-assign]
 
 
+def profiled_launches(fn: Callable[[], object]) -> int:
+    """Launches of one call of ``fn`` by the torch profiler: its leaf aten ops (no aten op below them) that
+    run a kernel, the count a GPU trace of the same call would show."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    leaves = 0
+    for e in prof.events():
+        name = e.name.removeprefix("aten::")
+        if not e.name.startswith("aten::") or name in NO_KERNEL_OPS or name in SYNC_OPS:
+            continue
+        if not any(child.name.startswith("aten::") for child in e.cpu_children):
+            leaves += 1
+    return leaves
+
+
+@contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silences the profiler's start/stop lines, which its C++ side writes straight to file descriptor 2."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def count(fn: Callable[[], object]) -> tuple[int, int]:
     """(syncs, launches) of one call of ``fn``."""
     with counting() as c:
@@ -73,4 +106,4 @@ def count(fn: Callable[[], object]) -> tuple[int, int]:
     return sum(c.syncs.values()), sum(c.launches.values())
 
 
-__all__ = ["NO_KERNEL_OPS", "SYNC_OPS", "count", "counting"]
+__all__ = ["NO_KERNEL_OPS", "SYNC_OPS", "count", "counting", "profiled_launches", "quiet_stderr"]
