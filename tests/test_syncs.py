@@ -79,3 +79,24 @@ def test_the_decision_and_loss_path_compiles_without_graph_breaks():
     assert metrics_to_floats(metrics) == pytest.approx(metrics_to_floats(eager_metrics))
     loss.backward()
     assert z.grad is not None and torch.isfinite(z.grad).all()
+
+
+@pytest.mark.gpu
+def test_no_sync_on_cuda_by_the_sync_debug_mode():
+    z, a, rollout, adv, mask = batch(torch.bfloat16)
+    z, a, adv, mask = z.detach().cuda().requires_grad_(True), a.cuda(), adv.cuda(), mask.cuda()
+    rollout = type(rollout)(*(None if x is None else x.cuda() for x in (rollout.logp, rollout.topk_ids, rollout.topk_logp)))
+
+    def step():
+        loss, metrics = policy_loss("pdm_exactpi_tv", z, a, rollout, adv, mask, validate=False, tensor_metrics=True)
+        loss.backward()
+        return metrics
+
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any sync raises
+    try:
+        metrics = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert set(metrics_to_floats(metrics)) >= {"mask/dropped_frac", "loss/policy"}

@@ -50,12 +50,11 @@ def stats_kernel(
     lse = m + tl.log(total)
     tl.store(out_ptr + row, lse)
     tl.store(out_ptr + n + row, rest / total)
-    if NEED_SQ:
-        tl.store(out_ptr + 2 * n + row, tail_sq / (total * total))
+    tl.store(out_ptr + 2 * n + row, tail_sq / (total * total))  # 0 unless NEED_SQ
+    sign_pi = zero
+    sign_pi2 = zero
     if NEED_UNIFORM:
         u = tl.load(u_ptr + row)
-        sign_pi = zero
-        sign_pi2 = zero
         for start in range(0, V, BLOCK):
             cols = start + lanes
             z = tl.load(z_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
@@ -64,8 +63,8 @@ def stats_kernel(
             sp = tl.where(_off_set(cols, ids_row, C) & (cols < V), sign * p, 0.0)
             sign_pi += tl.sum(sp, 0)
             sign_pi2 += tl.sum(sp * p, 0)
-        tl.store(out_ptr + 3 * n + row, sign_pi)
-        tl.store(out_ptr + 4 * n + row, sign_pi2)
+    tl.store(out_ptr + 3 * n + row, sign_pi)
+    tl.store(out_ptr + 4 * n + row, sign_pi2)
 
 
 @triton.jit

@@ -142,7 +142,9 @@ def policy_stats(
         tokens: [...] sampled token ids.
         rollout: what is known of μ at each position.
         chunk_size: positions per chunk; by default the chunk's float32 temporaries stay within
-            ``pdmask.vocab_pass.CHUNK_FRACTION`` of the logits' size (between 1 MiB and 64 MiB).
+            ``pdmask.vocab_pass.CHUNK_FRACTION`` of the logits' size (between 1 MiB and 64 MiB; on CUDA
+            ``CUDA_CHUNK_FRACTION``, up to 2 GiB). CUDA logits take the fused Triton kernels when Triton
+            imports (``pdmask.triton_pass``), which need no chunks.
         need_sq_norm: compute ‖π‖² = Σ exp(2·log π) (needed by the ``proportional``, ``exactpi`` and ``full`` estimators).
         need_uniform: also sum sign(π_j − u)·π_j and ·π_j² off S in this pass (the ``exactpi`` estimator's
             TV); otherwise a second pass over the retained logits computes them if they are ever used.

@@ -87,7 +87,7 @@ def logits_stats(
     from pdmask._triton_kernels import stats_kernel
 
     n, vocab = logits.shape
-    out = torch.zeros(5, n, dtype=torch.float32, device=logits.device)
+    out = torch.empty(5, n, dtype=torch.float32, device=logits.device)  # the kernel writes every entry
     if n:
         stats_kernel[(n,)](
             logits, logits.stride(0), set_ids.contiguous(), even_mu.contiguous(), out, n, vocab,

@@ -18,9 +18,14 @@ from pdmask.rollout import RolloutLogprobs, as_bool_mask, check_tokens
 
 #: Default budget for the float32 temporaries of one chunk, as a fraction of the logits' size ...
 CHUNK_FRACTION = 0.04
-#: ... but never less than this (small inputs go in one chunk) nor more than the cap.
+#: ... but never less than this (small inputs go in one chunk) nor more than the cap (tuned on the CPU,
+#: where a chunk that stays in cache is faster).
 CHUNK_MIN_BYTES = 1 << 20
 CHUNK_MAX_BYTES = 64 << 20
+#: On CUDA each chunk costs the same ~25 kernel launches whatever its size, so the torch pass takes bigger
+#: chunks there: up to a quarter of the logits' size, at most 2 GiB (16 chunks for 16,384 × 151,936 bf16 logits).
+CUDA_CHUNK_FRACTION = 0.25
+CUDA_CHUNK_MAX_BYTES = 2 << 30
 
 #: One block of logits: (flat rows, z [r, c] in the compute dtype, S's columns in the block [r, C] with c
 #: for ids outside it, the block's vocabulary ids).
@@ -318,9 +323,15 @@ def set_rows_dot(weight: Tensor, set_ids: Tensor, coef: Tensor) -> Tensor:
 
 def default_chunk(logits: Tensor, dtype: torch.dtype, temporaries: int) -> int:
     """Rows per chunk of [..., V] logits whose ``temporaries`` [rows, V] copies in ``dtype`` fit the budget."""
-    budget = min(max(CHUNK_FRACTION * logits.numel() * logits.element_size(), CHUNK_MIN_BYTES), CHUNK_MAX_BYTES)
+    return chunk_rows(logits.numel() * logits.element_size(), logits.shape[-1], dtype, temporaries, logits.device.type)
+
+
+def chunk_rows(logit_bytes: int, vocab: int, dtype: torch.dtype, temporaries: int, device_type: str) -> int:
+    """``default_chunk`` for logits of ``logit_bytes`` bytes and V = ``vocab`` on a device of ``device_type``."""
+    fraction, cap = (CUDA_CHUNK_FRACTION, CUDA_CHUNK_MAX_BYTES) if device_type == "cuda" else (CHUNK_FRACTION, CHUNK_MAX_BYTES)
+    budget = min(max(fraction * logit_bytes, CHUNK_MIN_BYTES), cap)
     # Temporaries of the compute dtype per row: the upcast logits, their exponentials (and the signs).
-    per_row = temporaries * logits.shape[-1] * torch.finfo(dtype).bits // 8
+    per_row = temporaries * vocab * torch.finfo(dtype).bits // 8
     return max(1, int(budget // per_row))
 
 
@@ -380,6 +391,8 @@ __all__ = [
     "CHUNK_FRACTION",
     "CHUNK_MAX_BYTES",
     "CHUNK_MIN_BYTES",
+    "CUDA_CHUNK_FRACTION",
+    "CUDA_CHUNK_MAX_BYTES",
     "Accumulators",
     "Block",
     "Buffers",
@@ -387,6 +400,7 @@ __all__ = [
     "GatherLogProb",
     "HeadMeans",
     "Prepared",
+    "chunk_rows",
     "default_chunk",
     "even_mu",
     "logit_blocks",

@@ -23,6 +23,8 @@ from pdmask.jsonio import dumps
 from pdmask.methods import trust_region_mask
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import policy_stats
+from pdmask.tools.bench_counts import launch_rows, render_counts, sync_rows
+from pdmask.tools.bench_device import add_device_arguments, run_device
 from pdmask.tools.bench_hidden import FULL_HIDDEN_GRID, QUICK_HIDDEN_GRID, HiddenRow, measure_hidden, render_hidden
 from pdmask.tools.counts import quiet_stderr
 
@@ -145,21 +147,34 @@ def render(rows: list[Row]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="three logits rows and one hidden-state row (N <= 1,024)")
-    p.add_argument("--part", choices=("all", "logits", "hidden"), default="all", help="which rows to run")
+    p.add_argument(
+        "--part", choices=("all", "logits", "hidden", "counts"), default="all",
+        help="which rows to run (counts: kernel launches and host-device syncs per call, no timing)",
+    )
     p.add_argument(
         "--repeats", type=int, default=None,
         help="timed repeats per path (default 5, quick 3; hidden rows 2, none for the memory-only rows)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    add_device_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    repeats = args.repeats or (3 if args.quick else 5)
-    if repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if args.device:
+        return run_device(args, peak_bytes)
+    if args.part == "counts":
+        launches, syncs = launch_rows(args.vocab, args.positions, getattr(torch, args.dtype)), sync_rows()
+        render_counts(launches, syncs, args.vocab, args.positions)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(dumps({"launches": [asdict(r) for r in launches], "syncs": [asdict(r) for r in syncs]}, indent=1))
+        return 0
+    repeats = args.repeats or (3 if args.quick else 5)
     from rich.progress import track
 
     rows: list[Row] = []
