@@ -55,6 +55,13 @@ def test_float_metrics_cost_one_sync_and_match_the_tensors():
     assert all(type(v) is float for v in floats.values())
 
 
+def test_the_checks_read_their_verdicts_back_once_per_stage():
+    z, a, rollout, adv, mask = batch()
+    # The inputs' checks before the pass, the finiteness checks after it (and the advantages, and the metrics).
+    assert count(lambda: policy_stats(z, a, rollout, response_mask=mask))[0] == 2
+    assert count(lambda: policy_loss("pdm_proportional_tv", z, a, rollout, adv, mask))[0] == 4
+
+
 def test_unvalidated_statistics_equal_the_validated_ones():
     z, a, rollout, adv, mask = batch()
     assert count(lambda: policy_stats(z, a, rollout, response_mask=mask, need_uniform=True, validate=False))[0] == 0

@@ -72,10 +72,10 @@ def policy_stats_from_hidden(
             if acc.full is not None or acc.uniform is not None:
                 # The sums that need the rows' final lse (full-μ reductions, uniform sums), block by block again.
                 acc.add_normalised_blocks(prep, head.blocks(flat, [sl], prep.set_ids, bufs), bufs, prep.full_logp)
-    if validate:
-        acc.check_finite("hidden @ weight.T logits")
     logp = _HiddenLogProb.apply(hidden, weight, bias, acc.set_logp[:, -1], prep.flat_tokens, acc.lse, head)
-    stats = assemble(prep, acc, logp, validate)
+    if validate:
+        acc.check_finite("hidden @ weight.T logits", logp)
+    stats = assemble(prep, acc, logp)
     if stats.uniform_sums is None and stats.has_topk:
 
         def second_pass() -> Tensor:

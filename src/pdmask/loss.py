@@ -137,8 +137,8 @@ def policy_loss(
     head W [V, d] the logits came from, needed by the kernel-aware ``pdm_kernel_*`` methods.
     ``validate=False`` skips the value checks of the inputs (for inputs checked once already); with
     ``tensor_metrics=True`` the metrics stay 0-d tensors on the device (``metrics_to_floats`` reads them
-    back in one transfer). Both set, the call makes no host-device sync; the defaults make one for the
-    metrics plus those of the checks.
+    back in one transfer). Both set, the call makes no host-device sync; the defaults make four: the input
+    checks before the pass, the finiteness checks after it, the advantages' checks, the metrics.
     """
     m = get_method(method)
     if agg not in AGG_MODES:
@@ -156,8 +156,8 @@ def policy_loss(
         validate=validate,
     )
     decision = decide(m, stats, advantages, response_mask, validate=validate, **thresholds)
-    loss = aggregate_loss(
-        decision_loss(decision), response_mask, agg, cu_seqlens=cu_seqlens, norm_length=norm_length, validate=validate
+    loss = aggregate_loss(  # the mask's values were checked with the statistics
+        decision_loss(decision), response_mask, agg, cu_seqlens=cu_seqlens, norm_length=norm_length, validate=False
     )
     metrics = mask_metrics(decision, as_tensors=True) | {"loss/policy": loss.detach()}
     return loss, metrics if tensor_metrics else metrics_to_floats(metrics)

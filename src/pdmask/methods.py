@@ -20,7 +20,7 @@ from pdmask.estimators import (
     predicted_change,
 )
 from pdmask.kernel import KERNEL_ESTIMATORS, require_head
-from pdmask.rollout import as_bool_mask
+from pdmask.rollout import Checks, as_bool_mask
 from pdmask.stats import PolicyStats
 
 DELTA_TV = 0.15
@@ -251,12 +251,15 @@ def decide(
     m = get_method(method)
     check_information(m, stats)
     t = resolve_thresholds(m, thresholds)
-    adv = _broadcast_advantages(advantages, stats.logp.shape, validate).to(stats.rollout_logp.dtype)
+    checks = Checks() if validate else False  # both checks read back at once
+    adv = _broadcast_advantages(advantages, stats.logp.shape, checks).to(stats.rollout_logp.dtype)
     shape = stats.logp.shape
     response = (
         torch.ones(shape, dtype=torch.bool, device=adv.device) if response_mask is None
-        else as_bool_mask(response_mask, shape, validate)
+        else as_bool_mask(response_mask, shape, checks)
     )
+    if isinstance(checks, Checks):
+        checks.read()
     d = beyond = direction = None
     with torch.no_grad():
         if m.rule == "none":
@@ -319,7 +322,7 @@ def method_thresholds(
     return values
 
 
-def _broadcast_advantages(advantages: Tensor, shape: torch.Size, validate: bool = True) -> Tensor:
+def _broadcast_advantages(advantages: Tensor, shape: torch.Size, checks: Checks | bool) -> Tensor:
     if not isinstance(advantages, Tensor) or not advantages.is_floating_point():
         raise TypeError("advantages must be a floating-point torch.Tensor, per token [...] or per sequence [B].")
     if tuple(advantages.shape) != tuple(shape):
@@ -330,8 +333,10 @@ def _broadcast_advantages(advantages: Tensor, shape: torch.Size, validate: bool 
                 f"advantages has shape {tuple(advantages.shape)}; expected per-token {tuple(shape)}"
                 + (f" or per-sequence ({shape[0]},)." if len(shape) == 2 else ".")
             )
-    if validate and not torch.isfinite(advantages).all():
-        raise ValueError("advantages contain NaN or inf; normalise rewards with a guard against zero std.")
+    if isinstance(checks, Checks):
+        checks.add(
+            ~torch.isfinite(advantages).all(), lambda: "advantages contain NaN or inf; normalise rewards with a guard against zero std."
+        )
     return advantages
 
 

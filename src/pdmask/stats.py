@@ -172,8 +172,8 @@ def policy_stats(
     else:
         acc, logp = _chunked_pass(logits, prep, rows, dtype, need_sq_norm, need_uniform, head_weight)
     if validate:
-        acc.check_finite("logits")
-    stats = assemble(prep, acc, logp, validate)
+        acc.check_finite("logits", logp)
+    stats = assemble(prep, acc, logp)
     if stats.uniform_sums is None and stats.has_topk:
 
         def second_pass() -> Tensor:
@@ -251,10 +251,8 @@ def stats_from_set(
     return stats
 
 
-def assemble(prep: Prepared, acc: Accumulators, logp: Tensor, validate: bool = True) -> PolicyStats:
+def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
     """PolicyStats from a finished pass: its inputs, its accumulators and log π(a) [n] (with its gradient)."""
-    if validate and not torch.isfinite(logp).all():
-        raise ValueError("logits are -inf at a sampled token: the trainer gives that token probability zero.")
     shape = prep.shape
     stats = PolicyStats(
         logp=logp.reshape(shape),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from pdmask.rollout import RolloutLogprobs, as_bool_mask, check_tokens
+from pdmask.rollout import Checks, RolloutLogprobs, as_bool_mask, check_tokens
 
 #: Default budget for the float32 temporaries of one chunk, as a fraction of the logits' size ...
 CHUNK_FRACTION = 0.04
@@ -96,17 +96,19 @@ def prepare(
     validate: bool = True,
 ) -> Prepared:
     """Checks tokens and rollout against the leading ``shape`` and vocabulary of ``source`` (for errors);
-    positions outside ``response_mask`` become the neutral token 0 with μ(0) = 1. ``validate=False``
-    checks shapes only and reads nothing back from the device."""
+    positions outside ``response_mask`` become the neutral token 0 with μ(0) = 1. The value checks are read
+    back in one transfer; ``validate=False`` checks shapes only and reads nothing back from the device."""
     if not isinstance(rollout, RolloutLogprobs):
         raise TypeError(f"rollout must be a pdmask.RolloutLogprobs, got {type(rollout).__name__}.")
+    checks = Checks() if validate else False  # every value check read back at once, before the pass
     if response_mask is not None:
-        valid = as_bool_mask(response_mask, shape, validate)
-        if not validate or not valid.all():  # unchecked: mask unconditionally rather than read the mask back
-            tokens = torch.where(valid, check_tokens(tokens, None, shape, source), 0)
-            rollout = rollout.masked(valid)
-    tokens = check_tokens(tokens, vocab, shape, source, validate)
-    rollout = rollout.validated(tokens, vocab, dtype, validate)
+        valid = as_bool_mask(response_mask, shape, checks)
+        tokens = torch.where(valid, check_tokens(tokens, None, shape, source), 0)
+        rollout = rollout.masked(valid)
+    tokens = check_tokens(tokens, vocab, shape, source, checks)
+    rollout = rollout.validated(tokens, vocab, dtype, checks)
+    if isinstance(checks, Checks):
+        checks.read()
     n = tokens.numel()
     flat_tokens = tokens.reshape(n)
     set_ids = flat_tokens[:, None] if rollout.topk_ids is None else torch.cat(
@@ -236,11 +238,18 @@ class Accumulators:
         for sl, z, set_cols, vocab in blocks:
             self.add_normalised(sl, z, bufs, set_cols, flat_u, full_logp, vocab)
 
-    def check_finite(self, source: str) -> None:
-        if not torch.isfinite(self.lse).all():
-            raise ValueError(
-                f"{source} contain NaN or +inf (or a row of only -inf); the trainer's logits must be finite."
-            )
+    def check_finite(self, source: str, logp: Tensor) -> None:
+        """Raises unless every lse and log π(a) [n] of the pass is finite (one read of both verdicts)."""
+        checks = Checks()
+        checks.add(
+            ~torch.isfinite(self.lse).all(),
+            lambda: f"{source} contain NaN or +inf (or a row of only -inf); the trainer's logits must be finite.",
+        )
+        checks.add(
+            ~torch.isfinite(logp).all(),
+            lambda: f"{source} are -inf at a sampled token: the trainer gives that token probability zero.",
+        )
+        checks.read()
 
 
 def shifted_sums(
