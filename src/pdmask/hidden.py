@@ -54,11 +54,12 @@ def policy_stats_from_hidden(
             ``pdm_kernel_*`` masks: one more [rows, cols] × [cols, d] product per block.
         block_rows, block_vocab: the block of logits made at once (default 1024 × 2048; 4096 × 16384 on CUDA).
         validate: as for ``policy_stats`` (``False``: shapes only, no host-device sync).
-    The matmul runs in the inputs' dtype (accumulating in float32 as matmuls do) and each block is then
-    reduced in float32 (float64 for float64 inputs). log π(a) is differentiable with respect to hidden,
-    weight and bias; its backward makes the blocks again. Working memory is a few blocks, plus the
-    weight gradient of one vocabulary block, plus for non-float32 hidden states a float32 [N, d]
-    accumulator of their gradient.
+    Each block of logits is made in float32 (float64 for float64 inputs) from the inputs' values, so bf16
+    hidden states and head give the statistics of their float32 copies without those copies: on CUDA by a
+    bf16/fp16 matmul with float32 output, elsewhere from the block's operands upcast; then reduced alike.
+    log π(a) is differentiable with respect to hidden, weight and bias; its backward makes the blocks again.
+    Working memory is a few blocks, plus the weight gradient of one vocabulary block, plus for non-float32
+    hidden states a float32 [N, d] accumulator of their gradient.
     """
     head = _Head.checked(hidden, weight, bias, temperature, block_rows, block_vocab)
     shape = tuple(hidden.shape[:-1])
@@ -151,10 +152,21 @@ class _Head:
         return bufs
 
     def logits(self, h: Tensor, v: slice, bufs: Buffers) -> Tensor:
-        """z [rows, |v|] for the hidden states h [rows, d] and vocabulary ids v, in the compute dtype."""
-        z = torch.nn.functional.linear(h, self.weight[v], None if self.bias is None else self.bias[v])
-        if bufs.upcast is not None:
-            z = Buffers.block(bufs.upcast, *z.shape).copy_(z)
+        """z [rows, |v|] for the hidden states h [rows, d] and vocabulary ids v, in the compute dtype.
+
+        Low-precision inputs give the compute dtype's logits of their values, never logits rounded to their
+        dtype: on CUDA by a matmul with float32 output (``out_dtype``), elsewhere from the block's operands upcast."""
+        w, b = self.weight[v], None if self.bias is None else self.bias[v]
+        if bufs.upcast is None:
+            z = torch.nn.functional.linear(h, w, b)
+        else:
+            z = Buffers.block(bufs.upcast, h.shape[0], w.shape[0])
+            if h.is_cuda and MM_OUT_DTYPE:
+                torch.mm(h, w.T, out_dtype=self.dtype, out=z)
+            else:
+                torch.mm(h.to(self.dtype), w.to(self.dtype).T, out=z)
+            if b is not None:
+                z += b
         return z if self.temperature == 1.0 else z.div_(self.temperature)
 
     def blocks(self, flat: Tensor, rows: Iterable[slice], set_ids: Tensor, bufs: Buffers) -> Iterator[Block]:
@@ -257,10 +269,15 @@ def _add_product(out: Tensor, g: Tensor, x: Tensor) -> None:
     (summing per-block products rounded to bf16 biases the gradient)."""
     if x.dtype == out.dtype:
         out.addmm_(g, x)
-    elif x.is_cuda:
+    elif x.is_cuda and MM_OUT_DTYPE:
         torch.addmm(out, g.to(x.dtype), x, out_dtype=out.dtype, out=out)
     else:
         out.addmm_(g, x.to(out.dtype))
+
+
+#: Whether this torch has the matmuls with a wider output dtype (``aten::mm.dtype_out``, ``aten::addmm.dtype_out``,
+#: CUDA kernels only); without them the operands are upcast instead.
+MM_OUT_DTYPE = "dtype_out" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
 def _wider(dtype: torch.dtype) -> torch.dtype:

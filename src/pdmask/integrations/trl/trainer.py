@@ -202,12 +202,14 @@ class PDMTrainer(GRPOTrainer):
             # The uniform tail's sums, full μ and the kernel-aware sums need every logit: read them from the
             # hidden states in blocks, so no [B, T, V] logits are held (log π(a) stays TRL's own, with its gradient).
             with torch.no_grad(), head_weights(head) as (weight, bias):
+                # One dtype for both, no float32 copies: the pass makes float32 logits of bf16 inputs block by block.
+                dtype = torch.promote_types(hidden.dtype, weight.dtype)
                 stats = policy_stats_from_hidden(
-                    hidden.float(),
-                    weight.float(),
+                    hidden.to(dtype),
+                    weight.to(dtype),
                     tokens,
                     rollout,
-                    bias=None if bias is None else bias.float(),
+                    bias=None if bias is None else bias.to(dtype),
                     temperature=self.temperature,
                     need_uniform=self.mask_method.needs_uniform,
                     response_mask=valid,
