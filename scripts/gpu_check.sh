@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 30's GPU checks on one CUDA GPU, with the machine's own PyTorch and Triton (nothing is downloaded), in
 # well under 8 minutes: the gpu-marked tests (the fused kernels against the torch pass, no sync under
-# torch.cuda.set_sync_debug_mode), and `pdmask bench --device cuda` at
+# torch.cuda.set_sync_debug_mode, bf16 hidden states with float32-output matmuls), and `pdmask bench --device cuda` at
 # V = 151,936, N = 16,384, bf16. Results go to $OUT (or a temporary folder).
 #   bash scripts/gpu_check.sh              # on the GPU machine
 #   DEVICE=cpu bash scripts/gpu_check.sh   # the dry run: the same steps on the CPU at a tiny shape
@@ -28,7 +28,9 @@ except ImportError:
     print("triton: not installed (the fused kernels are off; the torch pass runs)")
 PY
 if python -c "import pytest" 2>/dev/null; then
-    timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton.py tests/test_syncs.py 2>&1 | tee "$out/gpu_tests.txt"
+    tests=(tests/test_triton.py tests/test_syncs.py)
+    python -c "import hypothesis" 2>/dev/null && tests+=(tests/test_hidden.py)  # its module imports hypothesis
+    timeout 240 python -m pytest -q -p no:cacheprovider -m gpu "${tests[@]}" 2>&1 | tee "$out/gpu_tests.txt"
 else
     echo "pytest is not installed: the gpu-marked tests are skipped" | tee "$out/gpu_tests.txt"
 fi
