@@ -6,6 +6,8 @@ On the CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -24,7 +26,9 @@ TOPK_ESTIMATORS = ("aggregated", "uniform", "proportional", "exactpi")
 
 @pytest.fixture
 def fused(monkeypatch):
-    """The fused kernels forced on (interpreted on the CPU: conftest sets TRITON_INTERPRET=1 without CUDA)."""
+    """The fused kernels forced on, on CPU tensors: interpreted (conftest sets TRITON_INTERPRET=1 without CUDA)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernels on CPU tensors, in Triton's interpreter: TRITON_INTERPRET=1 before triton is imported")
     monkeypatch.setenv(ENV, "1")
     return monkeypatch
 
@@ -108,6 +112,13 @@ def test_the_fused_pass_rejects_non_finite_logits(fused):
     z, logmu, a, ids, vals = _case(3, 50, 4, torch.float32)
     z[1, 7] = float("nan")
     with pytest.raises(ValueError, match="logits contain NaN"):
+        policy_stats(z, a, rollout_of(logmu, a, ids, vals))
+
+
+def test_forcing_the_kernels_on_cpu_logits_needs_the_interpreter(fused):
+    z, logmu, a, ids, vals = _case(2, 20, 3, torch.float32)
+    fused.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         policy_stats(z, a, rollout_of(logmu, a, ids, vals))
 
 

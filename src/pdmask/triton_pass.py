@@ -43,6 +43,11 @@ def use_fused(logits: Tensor, prep: Prepared, head_weight: Tensor | None) -> boo
         return False
     if setting == "1" and not triton_available():
         raise RuntimeError(f"{ENV}=1 asks for the fused Triton kernels, but triton does not import: pip install 'pdmask[gpu]'.")
+    if setting == "1" and not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"{ENV}=1 on {logits.device.type} logits runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before triton is imported (or unset PDMASK_TRITON)."
+        )
     if not triton_available() or logits.dtype not in DTYPES or prep.full_logp is not None or head_weight is not None:
         return False
     return prep.n > 0 and _as_rows(logits) is not None
