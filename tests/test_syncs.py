@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdmask import aggregate_loss, decide, decision_loss, mask_metrics, metrics_to_floats, policy_loss, policy_stats
-from pdmask.tools.counts import count, counting
+from pdmask.tools.counts import count, counting, profiled_launches
 
 from conftest import make_case, rollout_of
 
@@ -32,6 +32,12 @@ def test_the_counter_sees_each_kind_of_sync():
         x.tolist()
         torch.nonzero(x)
     assert dict(c.syncs) == {"_local_scalar_dense": 2, "index(bool)": 1, "tolist": 1, "nonzero": 1}
+
+
+def test_the_dispatcher_and_the_profiler_count_the_same_launches():
+    x = torch.randn(10, 7)
+    fn = lambda: torch.log_softmax(x, -1).exp().reshape(70).view(10, 7).sum(-1)  # views launch nothing
+    assert count(fn) == (0, 3) and profiled_launches(fn) == 3
 
 
 @pytest.mark.parametrize("method", METHODS)
