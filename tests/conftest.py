@@ -14,6 +14,9 @@ from pdmask import RolloutLogprobs
 from pdmask.lab.config import Config
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+if not torch.cuda.is_available():
+    # Triton kernels (pdmask.triton_pass) run on CPU tensors in Triton's interpreter; Triton reads this once, on import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def make_case(n: int, vocab: int, k: int, *, seed: int = 0, drift: float = 0.7, dtype=torch.float64):
@@ -56,3 +59,13 @@ TINY = Config(
     reward="partial",
     epochs=1,
 )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (a GPU): scripts/gpu_check.sh runs it")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

@@ -85,3 +85,33 @@ def test_demo_command_runs(capsys):
 def test_cli_without_command_prints_help(capsys):
     assert main([]) == 0
     assert "compare" in capsys.readouterr().out
+
+
+def test_device_bench_runs_every_path_on_the_cpu(tmp_path, monkeypatch):
+    import json
+
+    import pdmask.tools.bench_device as bench_device
+
+    monkeypatch.setattr(bench_device.torch, "compile", lambda fn: fn)  # the CPU has no minute to spare for inductor
+    out = tmp_path / "device.json"
+    args = ["bench", "--device", "cpu", "--vocab", "600", "--positions", "8", "--hidden-dim", "16", "--repeats", "1"]
+    assert main([*args, "--json", str(out)]) == 0
+    rows = {r["path"]: r for r in json.loads(out.read_text())["device"]}
+    assert set(rows) == set(bench_device.BASELINE)
+    assert rows["pdm_proportional"]["vs_floor"] > 0 and rows["pdm_proportional"]["vs_compiled"] > 0
+    assert rows["hidden"]["vs_floor"] > 0 and rows["backward"]["vs_plain"] is None
+
+
+def test_counts_part_reports_launches_and_syncs(tmp_path):
+    import json
+
+    out = tmp_path / "counts.json"
+    assert main(["bench", "--part", "counts", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    by_path = {(r["path"], r["uniform"]): r for r in data["launches"]}
+    cpu, cuda = by_path[("torch (cpu chunks)", False)], by_path[("torch (cuda chunks)", False)]
+    assert cpu["chunks"] > 10 * cuda["chunks"] and cpu["forward"] > cuda["forward"]
+    if ("fused triton", False) in by_path:  # Triton installed: its launches do not grow with the shape
+        assert by_path[("fused triton", False)]["forward"] < cuda["forward"]
+    syncs = {r["call"]: r["syncs"] for r in data["syncs"]}
+    assert syncs["policy_loss(validate=False)"] == 1 and syncs["policy_loss(validate=False, tensor_metrics=True)"] == 0

@@ -31,9 +31,9 @@ def head_case(n: int, vocab: int, d: int, k: int, *, seed: int = 0, dtype=torch.
 
 
 def logits_of(h, w, b, t):
-    """The materialised logits policy_stats_from_hidden stands for: the matmul in the inputs' dtype, then / t."""
-    z = torch.nn.functional.linear(h, w, b)
-    return (z if z.dtype == torch.float64 else z.float()) / t
+    """The materialised logits policy_stats_from_hidden stands for: the float32 (float64) matmul of the inputs' values, / t."""
+    wide = torch.float64 if h.dtype == torch.float64 else torch.float32
+    return torch.nn.functional.linear(h.to(wide), w.to(wide), None if b is None else b.to(wide)) / t
 
 
 def assert_same_stats(got, want, atol):
@@ -180,3 +180,38 @@ def test_bad_inputs_name_the_argument_and_the_fix():
     bad[3, 0] = float("nan")
     with pytest.raises(ValueError, match="logits contain NaN"):
         policy_stats_from_hidden(h, bad, a, rollout)
+
+
+def test_bf16_inputs_give_the_statistics_of_their_float32_copies():
+    """So a trainer passes its bf16 hidden states and head as they are (no [N, d] and [V, d] float32 copies)."""
+    h, w, b, a, rollout = head_case(12, 500, 32, 5, seed=3, dtype=torch.bfloat16)
+    kw = dict(need_uniform=True, block_rows=5, block_vocab=128)
+    low = policy_stats_from_hidden(h, w, a, rollout, bias=b, **kw)
+    copies = policy_stats_from_hidden(h.float(), w.float(), a, rollout, bias=b.float(), **kw)
+    assert low.logp.dtype == torch.float32
+    assert_same_stats(low, copies, 1e-6)
+    z = torch.nn.functional.linear(h.double(), w.double(), b.double())  # the float64 reference of the bf16 values
+    pi = torch.softmax(z, -1)
+    assert torch.allclose(low.logp.double(), torch.log_softmax(z, -1).gather(-1, a[:, None]).squeeze(-1), atol=2e-5)
+    assert torch.allclose(low.sq_norm.double(), pi.square().sum(-1), atol=2e-6)
+    rest = torch.where(ref.set_mask(a, rollout.topk_ids, 500), 0.0, pi).sum(-1)
+    assert torch.allclose(low.rest_mass.double(), rest, atol=2e-6)
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda_matches_its_float32_copies_forward_and_backward():
+    """The CUDA branch: bf16 matmuls with float32 output (``MM_OUT_DTYPE``) forward and in the gradients."""
+    h, w, b, a, rollout = head_case(40, 3000, 64, 5, seed=8, dtype=torch.bfloat16)
+    cuda = lambda x: x.cuda()
+    rollout = RolloutLogprobs(*(None if x is None else x.cuda() for x in (rollout.logp, rollout.topk_ids, rollout.topk_logp)))
+    g = torch.randn(40, device="cuda")
+    runs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        leaves = [cuda(x).to(dtype).requires_grad_(True) for x in (h, w, b)]
+        stats = policy_stats_from_hidden(*leaves[:2], cuda(a), rollout, bias=leaves[2], need_uniform=True, block_rows=16, block_vocab=512)
+        (stats.logp * g).sum().backward()
+        runs.append((stats, [x.grad.float() for x in leaves]))
+    (low, low_grads), (copies, copy_grads) = runs
+    assert_same_stats(low, copies, 1e-5)
+    for x, y in zip(low_grads, copy_grads):
+        assert torch.allclose(x, y, atol=2e-2, rtol=2e-2)

@@ -18,9 +18,13 @@ from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import PolicyStats, assemble
 from pdmask.vocab_pass import Accumulators, Block, Buffers, Prepared, prepare, row_slices, shifted_sums, uniform_pass
 
-#: Default block of logits: rows × vocabulary ids (8 MiB of float32).
+#: Default block of logits: rows × vocabulary ids (8 MiB of float32) ...
 BLOCK_ROWS = 1024
 BLOCK_VOCAB = 2048
+#: ... and on CUDA (256 MiB), where each block costs ~55 launches whatever its size: 40 blocks for a
+#: sweep of 16,384 positions × 151,936 ids instead of 1,200.
+CUDA_BLOCK_ROWS = 4096
+CUDA_BLOCK_VOCAB = 16384
 
 
 def policy_stats_from_hidden(
@@ -37,6 +41,7 @@ def policy_stats_from_hidden(
     need_kernel: bool = False,
     block_rows: int | None = None,
     block_vocab: int | None = None,
+    validate: bool = True,
 ) -> PolicyStats:
     """``policy_stats(hidden @ weight.T (+ bias) / temperature, ...)`` without the [..., V] logits.
 
@@ -47,16 +52,18 @@ def policy_stats_from_hidden(
         temperature: the sampling temperature the logits are divided by (> 0).
         need_kernel: also sum Wᵀπ (and with a full μ, Wᵀμ and Σ sign(π − μ)·π·w) for the kernel-aware
             ``pdm_kernel_*`` masks: one more [rows, cols] × [cols, d] product per block.
-        block_rows, block_vocab: the block of logits made at once (default 1024 × 2048).
-    The matmul runs in the inputs' dtype (accumulating in float32 as matmuls do) and each block is then
-    reduced in float32 (float64 for float64 inputs). log π(a) is differentiable with respect to hidden,
-    weight and bias; its backward makes the blocks again. Working memory is a few blocks, plus the
-    weight gradient of one vocabulary block, plus for non-float32 hidden states a float32 [N, d]
-    accumulator of their gradient.
+        block_rows, block_vocab: the block of logits made at once (default 1024 × 2048; 4096 × 16384 on CUDA).
+        validate: as for ``policy_stats`` (``False``: shapes only, no host-device sync).
+    Each block of logits is made in float32 (float64 for float64 inputs) from the inputs' values, so bf16
+    hidden states and head give the statistics of their float32 copies without those copies: on CUDA by a
+    bf16/fp16 matmul with float32 output, elsewhere from the block's operands upcast; then reduced alike.
+    log π(a) is differentiable with respect to hidden, weight and bias; its backward makes the blocks again.
+    Working memory is a few blocks, plus the weight gradient of one vocabulary block, plus for non-float32
+    hidden states a float32 [N, d] accumulator of their gradient.
     """
     head = _Head.checked(hidden, weight, bias, temperature, block_rows, block_vocab)
     shape = tuple(hidden.shape[:-1])
-    prep = prepare(tokens, rollout, response_mask, shape, weight.shape[0], head.dtype, "hidden states")
+    prep = prepare(tokens, rollout, response_mask, shape, weight.shape[0], head.dtype, "hidden states", validate)
     flat = hidden.detach().reshape(-1, hidden.shape[-1])
     acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head.weight if need_kernel else None)
     with torch.no_grad():
@@ -66,8 +73,9 @@ def policy_stats_from_hidden(
             if acc.full is not None or acc.uniform is not None:
                 # The sums that need the rows' final lse (full-μ reductions, uniform sums), block by block again.
                 acc.add_normalised_blocks(prep, head.blocks(flat, [sl], prep.set_ids, bufs), bufs, prep.full_logp)
-    acc.check_finite("hidden @ weight.T logits")
     logp = _HiddenLogProb.apply(hidden, weight, bias, acc.set_logp[:, -1], prep.flat_tokens, acc.lse, head)
+    if validate:
+        acc.check_finite("hidden @ weight.T logits", logp)
     stats = assemble(prep, acc, logp)
     if stats.uniform_sums is None and stats.has_topk:
 
@@ -124,9 +132,10 @@ class _Head:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
         dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        default_rows, default_cols = (CUDA_BLOCK_ROWS, CUDA_BLOCK_VOCAB) if hidden.is_cuda else (BLOCK_ROWS, BLOCK_VOCAB)
         return _Head(
             weight.detach(), None if bias is None else bias.detach(), float(temperature),
-            rows or BLOCK_ROWS, min(cols or BLOCK_VOCAB, weight.shape[0]), dtype,
+            rows or default_rows, min(cols or default_cols, weight.shape[0]), dtype,
         )
 
     def row_blocks(self, n: int) -> list[slice]:
@@ -143,10 +152,21 @@ class _Head:
         return bufs
 
     def logits(self, h: Tensor, v: slice, bufs: Buffers) -> Tensor:
-        """z [rows, |v|] for the hidden states h [rows, d] and vocabulary ids v, in the compute dtype."""
-        z = torch.nn.functional.linear(h, self.weight[v], None if self.bias is None else self.bias[v])
-        if bufs.upcast is not None:
-            z = Buffers.block(bufs.upcast, *z.shape).copy_(z)
+        """z [rows, |v|] for the hidden states h [rows, d] and vocabulary ids v, in the compute dtype.
+
+        Low-precision inputs give the compute dtype's logits of their values, never logits rounded to their
+        dtype: on CUDA by a matmul with float32 output (``out_dtype``), elsewhere from the block's operands upcast."""
+        w, b = self.weight[v], None if self.bias is None else self.bias[v]
+        if bufs.upcast is None:
+            z = torch.nn.functional.linear(h, w, b)
+        else:
+            z = Buffers.block(bufs.upcast, h.shape[0], w.shape[0])
+            if h.is_cuda and MM_OUT_DTYPE:
+                torch.mm(h, w.T, out_dtype=self.dtype, out=z)
+            else:
+                torch.mm(h.to(self.dtype), w.to(self.dtype).T, out=z)
+            if b is not None:
+                z += b
         return z if self.temperature == 1.0 else z.div_(self.temperature)
 
     def blocks(self, flat: Tensor, rows: Iterable[slice], set_ids: Tensor, bufs: Buffers) -> Iterator[Block]:
@@ -249,10 +269,15 @@ def _add_product(out: Tensor, g: Tensor, x: Tensor) -> None:
     (summing per-block products rounded to bf16 biases the gradient)."""
     if x.dtype == out.dtype:
         out.addmm_(g, x)
-    elif x.is_cuda:
+    elif x.is_cuda and MM_OUT_DTYPE:
         torch.addmm(out, g.to(x.dtype), x, out_dtype=out.dtype, out=out)
     else:
         out.addmm_(g, x.to(out.dtype))
+
+
+#: Whether this torch has the matmuls with a wider output dtype (``aten::mm.dtype_out``, ``aten::addmm.dtype_out``,
+#: CUDA kernels only); without them the operands are upcast instead.
+MM_OUT_DTYPE = "dtype_out" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
 def _wider(dtype: torch.dtype) -> torch.dtype:
@@ -263,4 +288,4 @@ def _shape_of(x: object) -> str:
     return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
 
 
-__all__ = ["BLOCK_ROWS", "BLOCK_VOCAB", "policy_stats_from_hidden"]
+__all__ = ["BLOCK_ROWS", "BLOCK_VOCAB", "CUDA_BLOCK_ROWS", "CUDA_BLOCK_VOCAB", "policy_stats_from_hidden"]

@@ -56,12 +56,14 @@ def aggregate_loss(
     *,
     cu_seqlens: Tensor | None = None,
     norm_length: int | None = None,
+    validate: bool = True,
 ) -> Tensor:
     """Scalar loss from loss_mat [B, T] (or packed [N] / [1, N] with cu_seqlens [num_seqs + 1]), by verl's mode names.
 
     token-mean: Σ loss / #tokens; seq-mean-token-sum: mean_s Σ_t; seq-mean-token-mean: mean_s mean_t;
     seq-mean-token-sum-norm (Dr. GRPO): Σ loss / norm_length, norm_length = T by default (the longest
-    sequence for packed input: pass norm_length to keep one constant). The first three equal verl's
+    sequence for packed input: pass norm_length to keep one constant); ``validate=False`` skips the check
+    that the mask holds only 0 and 1 (a host-device sync). The first three equal verl's
     ``agg_loss`` in one process; seq-mean-token-sum-norm does not: it divides by the length alone, as
     the DPPO research fork does, while verl >= 0.8 divides by (number of sequences × length)
     (``pdmask.integrations.verl`` aggregates with verl's own ``agg_loss``; docs/verl.md). As in verl,
@@ -71,7 +73,7 @@ def aggregate_loss(
         raise ValueError(f"agg must be one of {', '.join(AGG_MODES)}; got {agg!r}.")
     if norm_length is not None and (not isinstance(norm_length, int) or norm_length < 1):
         raise ValueError(f"norm_length must be a positive int (the Dr. GRPO constant), got {norm_length!r}.")
-    mask = as_bool_mask(response_mask, loss_mat.shape).to(loss_mat.dtype)
+    mask = as_bool_mask(response_mask, loss_mat.shape, validate).to(loss_mat.dtype)
     if cu_seqlens is not None and loss_mat.dim() == 2:
         if loss_mat.shape[0] != 1:
             raise ValueError(
@@ -124,13 +126,19 @@ def policy_loss(
     norm_length: int | None = None,
     chunk_size: int | None = None,
     head_weight: Tensor | None = None,
+    validate: bool = True,
+    tensor_metrics: bool = False,
     **thresholds: float | None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, float]] | tuple[Tensor, dict[str, Tensor]]:
     """(loss, metrics) of the masked DPPO-form surrogate −M·sg(min(r, c))·A·log π(a), aggregated by ``agg``.
 
     logits [B, T, V] with tokens, response_mask and advantages [B, T] (advantages may be per sequence
     [B]); or packed logits [N, V] with tokens, response_mask and advantages [N]. ``head_weight``: the LM
     head W [V, d] the logits came from, needed by the kernel-aware ``pdm_kernel_*`` methods.
+    ``validate=False`` skips the value checks of the inputs (for inputs checked once already); with
+    ``tensor_metrics=True`` the metrics stay 0-d tensors on the device (``metrics_to_floats`` reads them
+    back in one transfer). Both set, the call makes no host-device sync; the defaults make four: the input
+    checks before the pass, the finiteness checks after it, the advantages' checks, the metrics.
     """
     m = get_method(method)
     if agg not in AGG_MODES:
@@ -145,10 +153,14 @@ def policy_loss(
         need_uniform=m.needs_uniform,  # in the same pass: a second pass on first use would cost more
         response_mask=response_mask,
         head_weight=head_weight,
+        validate=validate,
     )
-    decision = decide(m, stats, advantages, response_mask, **thresholds)
-    loss = aggregate_loss(decision_loss(decision), response_mask, agg, cu_seqlens=cu_seqlens, norm_length=norm_length)
-    return loss, mask_metrics(decision) | {"loss/policy": loss.item()}
+    decision = decide(m, stats, advantages, response_mask, validate=validate, **thresholds)
+    loss = aggregate_loss(  # the mask's values were checked with the statistics
+        decision_loss(decision), response_mask, agg, cu_seqlens=cu_seqlens, norm_length=norm_length, validate=False
+    )
+    metrics = mask_metrics(decision, as_tensors=True) | {"loss/policy": loss.detach()}
+    return loss, metrics if tensor_metrics else metrics_to_floats(metrics)
 
 
 @torch.no_grad()
@@ -158,16 +170,20 @@ def mask_metrics(
     advantages: Tensor | None = None,
     response_mask: Tensor | None = None,
     keep: Tensor | None = None,
+    *,
+    as_tensors: bool = False,
     **thresholds: float | None,
-) -> dict[str, float]:
-    """Plain-float metrics of a ``MaskDecision`` over its response tokens: dropped shares, D, ratio, disagreement.
+) -> dict[str, float] | dict[str, Tensor]:
+    """Metrics of a ``MaskDecision`` over its response tokens: dropped shares, D, ratio, disagreement.
 
     The divergence is the method's own (TV at the richest information for ppo_clip and pg_is);
     ``mask/direction_disagree_frac`` is the share of tokens beyond the threshold where sign(π_a − μ_a)
     and sign(G) differ, G from the method's estimator or the best one the rollout allows (0 on binary
     information, where the two coincide). ``count/*`` give each share's denominator, to pool shares
-    over micro-batches (``pool_metrics``). The older call ``mask_metrics(method, stats, advantages,
-    response_mask, keep, **thresholds)`` still works, with a DeprecationWarning.
+    over micro-batches (``pool_metrics``). Plain floats, read back in one transfer; ``as_tensors=True``
+    leaves them float64 0-d tensors on the device (no host-device sync; ``metrics_to_floats`` converts).
+    The older call ``mask_metrics(method, stats, advantages, response_mask, keep, **thresholds)`` still
+    works, with a DeprecationWarning.
     """
     if not isinstance(decision, MaskDecision):
         warnings.warn(
@@ -201,24 +217,33 @@ def mask_metrics(
     keep = decision.keep
     pos, neg = mask & (adv > 0), mask & (adv < 0)
     # float64: a ratio past e^88 (μ(a) tiny, a real engine/trainer mismatch) is still a finite number to log.
-    ratio = (stats.logp.detach() - stats.rollout_logp).double().exp()[mask]
-    d_resp = d[mask].float()
-    return {
+    ratio = (stats.logp.detach() - stats.rollout_logp).double().exp()
+    d = d.float().double()  # D's float32 values, summed in float64
+    count = mask.sum()
+    metrics = {
         "mask/dropped_frac": _frac(mask & ~keep, mask),
         "mask/dropped_frac_pos": _frac(pos & ~keep, pos),
         "mask/dropped_frac_neg": _frac(neg & ~keep, neg),
         "mask/beyond_threshold_frac": _frac(beyond, mask),
         "mask/direction_disagree_frac": _frac(disagree, beyond),
-        "div/mean": d_resp.mean().item() if d_resp.numel() else 0.0,
-        "div/max": d_resp.max().item() if d_resp.numel() else 0.0,
-        "div/p90": _quantile(d_resp, 0.9),
-        "ratio/mean": ratio.mean().item() if ratio.numel() else 0.0,
-        "ratio/max": ratio.max().item() if ratio.numel() else 0.0,
-        "count/tokens": float(mask.sum().item()),
-        "count/pos": float(pos.sum().item()),
-        "count/neg": float(neg.sum().item()),
-        "count/beyond_threshold": float(beyond.sum().item()),
+        "div/mean": _masked_mean(d, mask, count),
+        "div/max": _masked_max(d, mask, count),
+        "div/p90": _quantile(d, mask, count, 0.9),
+        "ratio/mean": _masked_mean(ratio, mask, count),
+        "ratio/max": _masked_max(ratio, mask, count),
+        "count/tokens": count.double(),
+        "count/pos": pos.sum().double(),
+        "count/neg": neg.sum().double(),
+        "count/beyond_threshold": beyond.sum().double(),
     }
+    return metrics if as_tensors else metrics_to_floats(metrics)
+
+
+def metrics_to_floats(metrics: Mapping[str, Tensor | float]) -> dict[str, float]:
+    """A metric dict of 0-d tensors (or floats) as plain floats, read back from the device in one transfer."""
+    tensors = [v for v in metrics.values() if isinstance(v, Tensor)]
+    values = iter(torch.stack([t.detach().double().reshape(()) for t in tensors]).tolist() if tensors else [])
+    return {k: next(values) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
 
 
 def pool_metrics(rows: Sequence[Mapping[str, float]], denominators: Mapping[str, str] = FRACTION_DENOMINATORS) -> dict[str, float]:
@@ -240,17 +265,29 @@ def pool_metrics(rows: Sequence[Mapping[str, float]], denominators: Mapping[str,
     return out
 
 
-def _frac(part: Tensor, whole: Tensor) -> float:
-    n = int(whole.sum().item())
-    return float(part.sum().item()) / n if n else 0.0
+def _frac(part: Tensor, whole: Tensor) -> Tensor:
+    """|part| / |whole| (0 when whole is empty) as a float64 0-d tensor."""
+    n = whole.sum().double()
+    return torch.where(n > 0, part.sum().double() / n.clamp_min(1.0), 0.0)
 
 
-def _quantile(x: Tensor, q: float) -> float:
-    if x.numel() == 0:
-        return 0.0
-    # kthvalue has no size limit, unlike torch.quantile.
-    k = min(x.numel(), max(1, round(q * (x.numel() - 1)) + 1))
-    return x.kthvalue(k).values.item()
+def _masked_mean(x: Tensor, mask: Tensor, count: Tensor) -> Tensor:
+    return torch.where(mask, x, 0.0).sum() / count.clamp_min(1)
+
+
+def _masked_max(x: Tensor, mask: Tensor, count: Tensor) -> Tensor:
+    return torch.where(count > 0, torch.where(mask, x, -torch.inf).amax(), 0.0)
+
+
+def _quantile(x: Tensor, mask: Tensor, count: Tensor, q: float) -> Tensor:
+    """The k-th smallest of x over the mask, k = round(q·(count − 1)) + 1 (0 for an empty mask), by a sort
+    with the positions outside the mask last: no value read back (and no size limit, unlike torch.quantile)."""
+    ordered = torch.where(mask, x, torch.inf).reshape(-1).sort().values
+    if ordered.numel() == 0:
+        return count.double()
+    k = (q * (count - 1).clamp_min(0).double()).round().long()
+    kth = ordered.gather(0, k.clamp(max=ordered.numel() - 1).reshape(1)).reshape(())  # a tensor index, not .item()
+    return torch.where(count > 0, kth, 0.0)
 
 
 __all__ = [
@@ -259,6 +296,7 @@ __all__ = [
     "aggregate_loss",
     "decision_loss",
     "mask_metrics",
+    "metrics_to_floats",
     "per_token_loss",
     "policy_loss",
     "pool_metrics",

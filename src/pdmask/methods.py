@@ -19,7 +19,7 @@ from pdmask.estimators import (
     predicted_change,
 )
 from pdmask.kernel import KERNEL_ESTIMATORS, require_head
-from pdmask.rollout import as_bool_mask
+from pdmask.rollout import Checks, as_bool_mask
 from pdmask.stats import PolicyStats
 
 DELTA_TV = 0.15
@@ -222,19 +222,29 @@ def decide(
     stats: PolicyStats,
     advantages: Tensor,
     response_mask: Tensor | None = None,
+    *,
+    validate: bool = True,
     **thresholds: float | None,
 ) -> MaskDecision:
     """The mask of one method with its reasons (``MaskDecision``), each quantity computed once.
 
     Thresholds (keyword, None = default): delta_low, delta_high for divergence methods; eps_low,
     eps_high for ``ppo_clip``; ratio_cap everywhere (used by the loss, not by the mask).
+    ``validate=False`` skips the checks of values (finite advantages, a 0/1 response mask), which read
+    them back from the device: the decision then runs without a host-device sync.
     """
     m = get_method(method)
     check_information(m, stats)
     t = resolve_thresholds(m, thresholds)
-    adv = _broadcast_advantages(advantages, stats.logp.shape).to(stats.rollout_logp.dtype)
+    checks = Checks() if validate else False  # both checks read back at once
+    adv = _broadcast_advantages(advantages, stats.logp.shape, checks).to(stats.rollout_logp.dtype)
     shape = stats.logp.shape
-    response = torch.ones(shape, dtype=torch.bool, device=adv.device) if response_mask is None else as_bool_mask(response_mask, shape)
+    response = (
+        torch.ones(shape, dtype=torch.bool, device=adv.device) if response_mask is None
+        else as_bool_mask(response_mask, shape, checks)
+    )
+    if isinstance(checks, Checks):
+        checks.read()
     d = beyond = direction = None
     with torch.no_grad():
         if m.rule == "none":
@@ -297,7 +307,7 @@ def method_thresholds(
     return values
 
 
-def _broadcast_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
+def _broadcast_advantages(advantages: Tensor, shape: torch.Size, checks: Checks | bool) -> Tensor:
     if not isinstance(advantages, Tensor) or not advantages.is_floating_point():
         raise TypeError("advantages must be a floating-point torch.Tensor, per token [...] or per sequence [B].")
     if tuple(advantages.shape) != tuple(shape):
@@ -308,8 +318,10 @@ def _broadcast_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
                 f"advantages has shape {tuple(advantages.shape)}; expected per-token {tuple(shape)}"
                 + (f" or per-sequence ({shape[0]},)." if len(shape) == 2 else ".")
             )
-    if not torch.isfinite(advantages).all():
-        raise ValueError("advantages contain NaN or inf; normalise rewards with a guard against zero std.")
+    if isinstance(checks, Checks):
+        checks.add(
+            ~torch.isfinite(advantages).all(), lambda: "advantages contain NaN or inf; normalise rewards with a guard against zero std."
+        )
     return advantages
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from pdmask.rollout import RolloutLogprobs
+from pdmask.triton_pass import fused_logits_pass, use_fused
 from pdmask.vocab_pass import (
     Accumulators,
     Buffers,
@@ -132,6 +133,7 @@ def policy_stats(
     need_uniform: bool = False,
     response_mask: Tensor | None = None,
     head_weight: Tensor | None = None,
+    validate: bool = True,
 ) -> PolicyStats:
     """Statistics of π = softmax(logits) at the sampled tokens, in one chunked pass.
 
@@ -140,7 +142,9 @@ def policy_stats(
         tokens: [...] sampled token ids.
         rollout: what is known of μ at each position.
         chunk_size: positions per chunk; by default the chunk's float32 temporaries stay within
-            ``pdmask.vocab_pass.CHUNK_FRACTION`` of the logits' size (between 1 MiB and 64 MiB).
+            ``pdmask.vocab_pass.CHUNK_FRACTION`` of the logits' size (between 1 MiB and 64 MiB; on CUDA
+            ``CUDA_CHUNK_FRACTION``, up to 2 GiB). CUDA logits take the fused Triton kernels when Triton
+            imports (``pdmask.triton_pass``), which need no chunks.
         need_sq_norm: compute ‖π‖² = Σ exp(2·log π) (needed by the ``proportional``, ``exactpi`` and ``full`` estimators).
         need_uniform: also sum sign(π_j − u)·π_j and ·π_j² off S in this pass (the ``exactpi`` estimator's
             TV); otherwise a second pass over the retained logits computes them if they are ever used.
@@ -148,31 +152,27 @@ def policy_stats(
             (they are replaced by a neutral token before validation; their statistics are meaningless).
         head_weight: the LM head W [V, d] the logits came from (logits = (h Wᵀ + b)/T); given, the pass
             also sums Wᵀπ (and Wᵀμ, Σ sign(π − μ)·π·w with a full μ) for the kernel-aware ``pdm_kernel_*`` masks.
+        validate: check the values of tokens, rollout and response_mask and the finiteness of the logits
+            (each check reads a value back from the device); ``False`` checks shapes only, for a caller who
+            validated the same inputs once: no host-device sync.
     """
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V].")
     if logits.dim() < 1 or logits.shape[-1] < 2:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; expected [..., V] with V >= 2.")
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    prep = prepare(tokens, rollout, response_mask, tuple(logits.shape[:-1]), logits.shape[-1], dtype, "logits")
+    prep = prepare(tokens, rollout, response_mask, tuple(logits.shape[:-1]), logits.shape[-1], dtype, "logits", validate)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
     rows = chunk_size or default_chunk(logits, dtype, 3 if need_uniform else 2)
     check_head_weight(head_weight, logits.shape[-1], logits.device)
-    if head_weight is not None:  # cast once: every chunk spans the whole vocabulary
-        head_weight = head_weight.detach().to(dtype)
-    acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head_weight)
     source = logits.detach()
-    flat_u = prep.flat_even_mu
-    with torch.no_grad():
-        bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, dtype, logits.device, need_uniform)
-        for sl, z, set_cols, _ in logit_blocks(source, rows, prep.set_ids, bufs):
-            m = z.amax(-1)
-            sums = shifted_sums(z, m, set_cols, bufs, acc.tail_sq is not None)
-            acc.finish_rows(sl, m, *sums, z.gather(-1, set_cols), acc.tail_product(bufs, *z.shape))
-            acc.add_normalised(sl, z, bufs, set_cols, flat_u, prep.full_logp)
-    acc.check_finite("logits")
-    logp = GatherLogProb.apply(logits, prep.flat_tokens, acc.lse, rows)
+    if use_fused(logits, prep, head_weight):
+        acc, logp = fused_logits_pass(logits, prep, need_sq_norm, need_uniform)
+    else:
+        acc, logp = _chunked_pass(logits, prep, rows, dtype, need_sq_norm, need_uniform, head_weight)
+    if validate:
+        acc.check_finite("logits", logp)
     stats = assemble(prep, acc, logp)
     if stats.uniform_sums is None and stats.has_topk:
 
@@ -182,6 +182,25 @@ def policy_stats(
 
         stats.uniform_pass = second_pass
     return stats
+
+
+def _chunked_pass(
+    logits: Tensor, prep: Prepared, rows: int, dtype: torch.dtype, need_sq_norm: bool, need_uniform: bool,
+    head_weight: Tensor | None,
+) -> tuple[Accumulators, Tensor]:
+    """(accumulators, log π(a) [n] with its gradient) of [..., V] logits by chunks of ``rows`` positions in torch."""
+    if head_weight is not None:  # cast once: every chunk spans the whole vocabulary
+        head_weight = head_weight.detach().to(dtype)
+    acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head_weight)
+    flat_u = prep.flat_even_mu
+    with torch.no_grad():
+        bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, dtype, logits.device, need_uniform)
+        for sl, z, set_cols, _ in logit_blocks(logits.detach(), rows, prep.set_ids, bufs):
+            m = z.amax(-1)
+            sums = shifted_sums(z, m, set_cols, bufs, acc.tail_sq is not None)
+            acc.finish_rows(sl, m, *sums, z.gather(-1, set_cols), acc.tail_product(bufs, *z.shape))
+            acc.add_normalised(sl, z, bufs, set_cols, flat_u, prep.full_logp)
+    return acc, GatherLogProb.apply(logits, prep.flat_tokens, acc.lse, rows)
 
 
 def stats_from_set(
@@ -234,8 +253,6 @@ def stats_from_set(
 
 def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
     """PolicyStats from a finished pass: its inputs, its accumulators and log π(a) [n] (with its gradient)."""
-    if not torch.isfinite(logp).all():
-        raise ValueError("logits are -inf at a sampled token: the trainer gives that token probability zero.")
     shape = prep.shape
     stats = PolicyStats(
         logp=logp.reshape(shape),

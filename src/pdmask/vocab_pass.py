@@ -14,13 +14,18 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from pdmask.rollout import RolloutLogprobs, as_bool_mask, check_tokens
+from pdmask.rollout import Checks, RolloutLogprobs, as_bool_mask, check_tokens
 
 #: Default budget for the float32 temporaries of one chunk, as a fraction of the logits' size ...
 CHUNK_FRACTION = 0.04
-#: ... but never less than this (small inputs go in one chunk) nor more than the cap.
+#: ... but never less than this (small inputs go in one chunk) nor more than the cap (tuned on the CPU,
+#: where a chunk that stays in cache is faster).
 CHUNK_MIN_BYTES = 1 << 20
 CHUNK_MAX_BYTES = 64 << 20
+#: On CUDA each chunk costs the same ~25 kernel launches whatever its size, so the torch pass takes bigger
+#: chunks there: up to a quarter of the logits' size, at most 2 GiB (16 chunks for 16,384 × 151,936 bf16 logits).
+CUDA_CHUNK_FRACTION = 0.25
+CUDA_CHUNK_MAX_BYTES = 2 << 30
 
 #: One block of logits: (flat rows, z [r, c] in the compute dtype, S's columns in the block [r, C] with c
 #: for ids outside it, the block's vocabulary ids).
@@ -88,18 +93,22 @@ def prepare(
     vocab: int,
     dtype: torch.dtype,
     source: str,
+    validate: bool = True,
 ) -> Prepared:
     """Checks tokens and rollout against the leading ``shape`` and vocabulary of ``source`` (for errors);
-    positions outside ``response_mask`` become the neutral token 0 with μ(0) = 1."""
+    positions outside ``response_mask`` become the neutral token 0 with μ(0) = 1. The value checks are read
+    back in one transfer; ``validate=False`` checks shapes only and reads nothing back from the device."""
     if not isinstance(rollout, RolloutLogprobs):
         raise TypeError(f"rollout must be a pdmask.RolloutLogprobs, got {type(rollout).__name__}.")
+    checks = Checks() if validate else False  # every value check read back at once, before the pass
     if response_mask is not None:
-        valid = as_bool_mask(response_mask, shape)
-        if not valid.all():
-            tokens = torch.where(valid, check_tokens(tokens, None, shape, source), 0)
-            rollout = rollout.masked(valid)
-    tokens = check_tokens(tokens, vocab, shape, source)
-    rollout = rollout.validated(tokens, vocab, dtype)
+        valid = as_bool_mask(response_mask, shape, checks)
+        tokens = torch.where(valid, check_tokens(tokens, None, shape, source), 0)
+        rollout = rollout.masked(valid)
+    tokens = check_tokens(tokens, vocab, shape, source, checks)
+    rollout = rollout.validated(tokens, vocab, dtype, checks)
+    if isinstance(checks, Checks):
+        checks.read()
     n = tokens.numel()
     flat_tokens = tokens.reshape(n)
     set_ids = flat_tokens[:, None] if rollout.topk_ids is None else torch.cat(
@@ -229,11 +238,18 @@ class Accumulators:
         for sl, z, set_cols, vocab in blocks:
             self.add_normalised(sl, z, bufs, set_cols, flat_u, full_logp, vocab)
 
-    def check_finite(self, source: str) -> None:
-        if not torch.isfinite(self.lse).all():
-            raise ValueError(
-                f"{source} contain NaN or +inf (or a row of only -inf); the trainer's logits must be finite."
-            )
+    def check_finite(self, source: str, logp: Tensor) -> None:
+        """Raises unless every lse and log π(a) [n] of the pass is finite (one read of both verdicts)."""
+        checks = Checks()
+        checks.add(
+            ~torch.isfinite(self.lse).all(),
+            lambda: f"{source} contain NaN or +inf (or a row of only -inf); the trainer's logits must be finite.",
+        )
+        checks.add(
+            ~torch.isfinite(logp).all(),
+            lambda: f"{source} are -inf at a sampled token: the trainer gives that token probability zero.",
+        )
+        checks.read()
 
 
 def shifted_sums(
@@ -316,9 +332,15 @@ def set_rows_dot(weight: Tensor, set_ids: Tensor, coef: Tensor) -> Tensor:
 
 def default_chunk(logits: Tensor, dtype: torch.dtype, temporaries: int) -> int:
     """Rows per chunk of [..., V] logits whose ``temporaries`` [rows, V] copies in ``dtype`` fit the budget."""
-    budget = min(max(CHUNK_FRACTION * logits.numel() * logits.element_size(), CHUNK_MIN_BYTES), CHUNK_MAX_BYTES)
+    return chunk_rows(logits.numel() * logits.element_size(), logits.shape[-1], dtype, temporaries, logits.device.type)
+
+
+def chunk_rows(logit_bytes: int, vocab: int, dtype: torch.dtype, temporaries: int, device_type: str) -> int:
+    """``default_chunk`` for logits of ``logit_bytes`` bytes and V = ``vocab`` on a device of ``device_type``."""
+    fraction, cap = (CUDA_CHUNK_FRACTION, CUDA_CHUNK_MAX_BYTES) if device_type == "cuda" else (CHUNK_FRACTION, CHUNK_MAX_BYTES)
+    budget = min(max(fraction * logit_bytes, CHUNK_MIN_BYTES), cap)
     # Temporaries of the compute dtype per row: the upcast logits, their exponentials (and the signs).
-    per_row = temporaries * logits.shape[-1] * torch.finfo(dtype).bits // 8
+    per_row = temporaries * vocab * torch.finfo(dtype).bits // 8
     return max(1, int(budget // per_row))
 
 
@@ -378,6 +400,8 @@ __all__ = [
     "CHUNK_FRACTION",
     "CHUNK_MAX_BYTES",
     "CHUNK_MIN_BYTES",
+    "CUDA_CHUNK_FRACTION",
+    "CUDA_CHUNK_MAX_BYTES",
     "Accumulators",
     "Block",
     "Buffers",
@@ -385,6 +409,7 @@ __all__ = [
     "GatherLogProb",
     "HeadMeans",
     "Prepared",
+    "chunk_rows",
     "default_chunk",
     "even_mu",
     "logit_blocks",

@@ -11,12 +11,9 @@ and the hidden-state rows of ``pdmask.tools.bench_hidden`` (forward + backward f
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -26,7 +23,10 @@ from pdmask.jsonio import dumps
 from pdmask.methods import trust_region_mask
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import policy_stats
+from pdmask.tools.bench_counts import launch_rows, render_counts, sync_rows
+from pdmask.tools.bench_device import add_device_arguments, run_device
 from pdmask.tools.bench_hidden import FULL_HIDDEN_GRID, QUICK_HIDDEN_GRID, HiddenRow, measure_hidden, render_hidden
+from pdmask.tools.counts import quiet_stderr
 
 HELP = (
     "Benchmark time and peak memory of the PDM tail statistics against the plain pass and DPPO's top-K statistics, "
@@ -90,7 +90,7 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     """Peak of the bytes allocated while fn runs (and its result lives), from the profiler's memory events."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
         del out
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
@@ -99,20 +99,6 @@ def peak_bytes(fn: Callable[[], object]) -> int:
         current += e.nbytes()
         peak = max(peak, current)
     return peak
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silences the profiler's start/stop lines, which its C++ side writes straight to file descriptor 2."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def measure(vocab: int, n: int, dtype: str, repeats: int) -> Row:
@@ -161,21 +147,34 @@ def render(rows: list[Row]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="three logits rows and one hidden-state row (N <= 1,024)")
-    p.add_argument("--part", choices=("all", "logits", "hidden"), default="all", help="which rows to run")
+    p.add_argument(
+        "--part", choices=("all", "logits", "hidden", "counts"), default="all",
+        help="which rows to run (counts: kernel launches and host-device syncs per call, no timing)",
+    )
     p.add_argument(
         "--repeats", type=int, default=None,
         help="timed repeats per path (default 5, quick 3; hidden rows 2, none for the memory-only rows)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    add_device_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    repeats = args.repeats or (3 if args.quick else 5)
-    if repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if args.device:
+        return run_device(args, peak_bytes)
+    if args.part == "counts":
+        launches, syncs = launch_rows(args.vocab, args.positions, getattr(torch, args.dtype)), sync_rows()
+        render_counts(launches, syncs, args.vocab, args.positions)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(dumps({"launches": [asdict(r) for r in launches], "syncs": [asdict(r) for r in syncs]}, indent=1))
+        return 0
+    repeats = args.repeats or (3 if args.quick else 5)
     from rich.progress import track
 
     rows: list[Row] = []

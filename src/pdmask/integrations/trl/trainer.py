@@ -202,12 +202,14 @@ class PDMTrainer(GRPOTrainer):
             # The uniform tail's sums, full μ and the kernel-aware sums need every logit: read them from the
             # hidden states in blocks, so no [B, T, V] logits are held (log π(a) stays TRL's own, with its gradient).
             with torch.no_grad(), head_weights(head) as (weight, bias):
+                # One dtype for both, no float32 copies: the pass makes float32 logits of bf16 inputs block by block.
+                dtype = torch.promote_types(hidden.dtype, weight.dtype)
                 stats = policy_stats_from_hidden(
-                    hidden.float(),
-                    weight.float(),
+                    hidden.to(dtype),
+                    weight.to(dtype),
                     tokens,
                     rollout,
-                    bias=None if bias is None else bias.float(),
+                    bias=None if bias is None else bias.to(dtype),
                     temperature=self.temperature,
                     need_uniform=self.mask_method.needs_uniform,
                     response_mask=valid,
@@ -229,8 +231,8 @@ class PDMTrainer(GRPOTrainer):
 
     def _log_mask_metrics(self, decision: MaskDecision) -> None:
         """pdmask's metrics into TRL's ``_metrics`` as ``pdmask/...``, pooled over all processes by ``pool_metrics``."""
-        metrics = mask_metrics(decision)
-        local = torch.tensor(list(metrics.values()), device=self.accelerator.device)
+        metrics = mask_metrics(decision, as_tensors=True)  # read back once, after the gather
+        local = torch.stack(list(metrics.values())).to(self.accelerator.device)
         rows = [dict(zip(metrics, row.tolist())) for row in self.accelerator.gather(local).view(-1, len(metrics))]
         mode = "train" if self._policy.training else "eval"
         for key, value in pool_metrics(rows).items():
