@@ -91,6 +91,8 @@ def test_links_resolve(page: Path):
 
 def test_a_broken_anchor_and_a_code_span_are_told_apart(tmp_path):
     page = tmp_path / "a.md"
-    page.write_text("# A title\n\n## A title\n\n[ok](#a-title-1) [bad](#missing) `[code](#nowhere)`\n\n```\n# not a heading\n[x](y.md)\n```\n")
+    page.write_text(
+        "# A title\n\n## A title\n\n[ok](#a-title-1) [bad](#missing) `[code](#nowhere)`\n\n```\n# not a heading\n[x](y.md)\n```\n"
+    )
     assert anchors(page) == {"a-title", "a-title-1"}
     assert links(page) == ["#a-title-1", "#missing"]
