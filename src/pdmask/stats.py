@@ -9,10 +9,11 @@ a finished pass of either into ``PolicyStats``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from pdmask.rollout import RolloutLogprobs
 from pdmask.vocab_pass import (
@@ -132,6 +133,8 @@ def policy_stats(
     need_uniform: bool = False,
     response_mask: Tensor | None = None,
     head_weight: Tensor | None = None,
+    tp_group: ProcessGroup | None = None,
+    vocab_size: int | None = None,
 ) -> PolicyStats:
     """Statistics of π = softmax(logits) at the sampled tokens, in one chunked pass.
 
@@ -148,7 +151,20 @@ def policy_stats(
             (they are replaced by a neutral token before validation; their statistics are meaningless).
         head_weight: the LM head W [V, d] the logits came from (logits = (h Wᵀ + b)/T); given, the pass
             also sums Wᵀπ (and Wᵀμ, Σ sign(π − μ)·π·w with a full μ) for the kernel-aware ``pdm_kernel_*`` masks.
+        tp_group: a tensor-parallel process group: ``logits`` is then this rank's shard [..., V/tp] of the vocabulary
+            (Megatron's: rank r holds ids [r·V/tp, (r+1)·V/tp)), ``head_weight`` its [V/tp, d] rows, ``full_logp``
+            [..., V] or the shard; every rank gets the unsharded call's statistics, with the gradient of log π(a)
+            in its own shard (``pdmask.sharded``, docs/sharded.md). Every rank must call with the same positions.
+        vocab_size: the real vocabulary V when the logits are padded (Megatron pads to a multiple of 128·tp):
+            padded ids never enter π and ids >= V are refused. Default: every column is real.
     """
+    if tp_group is not None or vocab_size is not None:
+        from pdmask.sharded import sharded_policy_stats
+
+        return sharded_policy_stats(
+            logits, tokens, rollout, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size,
+            need_sq_norm=need_sq_norm, need_uniform=need_uniform, response_mask=response_mask, head_weight=head_weight,
+        )
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V].")
     if logits.dim() < 1 or logits.shape[-1] < 2:
@@ -258,7 +274,7 @@ def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
     if acc.head is not None:
         h = acc.head
         at = lambda x: None if x is None else x.reshape(shape + (-1,))
-        stats.head = HeadMeans(h.weight, h.tail.reshape(shape + (-1,)), at(h.mu), at(h.sign_pi))  # the pass's, shaped
+        stats.head = replace(h, tail=h.tail.reshape(shape + (-1,)), mu=at(h.mu), sign_pi=at(h.sign_pi))  # the pass's, shaped
     return stats
 
 
