@@ -460,7 +460,8 @@ def gather_set_logits(logits: Tensor, set_ids: Tensor, *, tp_group: dist.Process
             raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V/tp] (this rank's shard).")
         shard = VocabShard.of(tp_group, logits.shape[-1], vocab_size)
         if tuple(set_ids.shape[:-1]) != tuple(logits.shape[:-1]):
-            raise ValueError(f"set_ids has shape {tuple(set_ids.shape)}; expected the logits' leading shape {tuple(logits.shape[:-1])} + (C,).")
+            lead = tuple(logits.shape[:-1])
+            raise ValueError(f"set_ids has shape {tuple(set_ids.shape)}; expected the logits' leading shape {lead} + (C,).")
         if set_ids.numel() and (set_ids.min() < 0 or set_ids.max() >= shard.vocab):
             raise ValueError(f"set_ids holds an id outside the vocabulary [0, {shard.vocab}).")
         return shard
