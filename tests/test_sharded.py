@@ -1,26 +1,22 @@
 """Statistics on a vocabulary split over ranks (pdmask.sharded): real torch.distributed (gloo), several processes.
 
-Each test spawns tp processes that compute on their shard of the same inputs; the parent compares every rank's
-results with the unsharded call. Uneven positions, a padded vocabulary (tp·w > V, random logits at the padding),
-float32, every registered method, and the gradients of log π(a).
+For each tp, one spawn of tp processes (``pdmask.tools.gloo.run_gloo``, which fails on a hang) computes on its
+shards of the same inputs; the parent compares every rank's results with the unsharded call. Uneven positions,
+a padded vocabulary (tp·w > V, random logits at the padding), float32, every registered method, and the
+gradients of log π(a).
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
-import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pdmask import METHODS, RolloutLogprobs, decide, policy_stats, policy_stats_from_hidden
 from pdmask.sharded import count_traffic, sequence_shard, shard_rollout, stats_from_shard
+from pdmask.tools.gloo import run_gloo
 
 from conftest import make_case, rollout_of
 
@@ -28,45 +24,6 @@ VOCAB = {2: (90, 48), 4: (90, 24)}  # tp: (real V, shard width w); tp·w = 96
 SHAPE = (3, 5)  # 15 positions: uneven against every chunk size used
 K, D = 4, 6
 TIMEOUT = 120.0
-
-
-def run_ranks(world: int, fn, *args) -> list:
-    """fn(rank, world, *args) on ``world`` gloo processes; each rank's return value, or ("error", type, message)
-    for an exception. Fails the test if a rank is still running after TIMEOUT seconds (a hang)."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(rank, world, tmp, fn, args)) for rank in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + TIMEOUT
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        assert not hung, f"ranks {hung} still running after {TIMEOUT} s: a collective hangs"
-        out = []
-        for rank in range(world):
-            result = torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=False)
-            if result[0] == "crash":
-                pytest.fail(f"rank {rank} crashed:\n{result[1]}")
-            out.append(result[1] if result[0] == "ok" else result)
-        return out
-
-
-def _worker(rank: int, world: int, tmp: str, fn, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        result = ("ok", fn(rank, world, *args))
-    except (ValueError, TypeError) as e:
-        result = ("error", type(e).__name__, str(e))
-    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
-        result = ("crash", traceback.format_exc())
-    torch.save(result, os.path.join(tmp, f"{rank}.pt"))
-    dist.destroy_process_group()
 
 
 def inputs(world: int, seed: int = 0):
@@ -165,7 +122,7 @@ def _rank_main(rank: int, world: int) -> dict:
 
 @functools.cache
 def results_for(world: int) -> list[dict]:
-    return run_ranks(world, _rank_main)
+    return run_gloo(world, _rank_main, timeout=TIMEOUT)
 
 
 VARIANTS = {2: ["lazy", "eager", "topk", "binary", "full_shard"], 4: ["lazy", "binary"]}
