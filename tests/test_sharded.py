@@ -88,6 +88,7 @@ def _logits_rank(rank: int, world: int, variant: str) -> dict:
                              head_weight=w[cols], need_uniform=variant == "eager")  # fmt: skip
     out = outcomes(stats, adv)
     (stats.logp * g).sum().backward()
+    assert torch.equal(shard.detach(), z[..., cols]), "the backward changed the logits"
     return out | {"grad": shard.grad, "pass_bytes": sum(traffic)}
 
 
@@ -128,7 +129,7 @@ def results_for(world: int) -> list[dict]:
 VARIANTS = {2: ["lazy", "eager", "topk", "binary", "full_shard"], 4: ["lazy", "binary"]}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_logits_shards_give_the_unsharded_statistics_masks_and_gradients(world):
     variants = VARIANTS[world]
     results = [r["logits"] for r in results_for(world)]
@@ -162,7 +163,7 @@ def _hidden_rank(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_hidden_and_head_shards_give_the_unsharded_statistics_and_gradients(world):
     results = [r["hidden"] for r in results_for(world)]
     vocab, width, _, a, rollout, h, w, b, adv, g = inputs(world)
@@ -283,3 +284,14 @@ def test_statistics_on_a_sequence_shard_are_the_shard_of_the_statistics(layout):
     assert torch.equal(sequence_shard(a, 1, 2, layout="contiguous"), a[:, 10:])
     with pytest.raises(ValueError, match="not a multiple of 6"):
         sequence_shard(a, 0, 3, layout="load_balanced")
+
+
+def test_a_padded_vocabulary_on_one_rank_gives_the_real_vocabulary_statistics():
+    """vocab_size without tp_group: Megatron's padding at tp = 1 (the padded columns hold random logits)."""
+    vocab, width, z, a, rollout, h, w, b, adv, _ = inputs(2)
+    want = outcomes(policy_stats(z[..., :vocab], a, rollout, head_weight=w[:vocab]), adv)
+    assert_same(outcomes(policy_stats(z, a, rollout, head_weight=w, vocab_size=vocab), adv), want)
+    want = outcomes(policy_stats_from_hidden(h, w[:vocab], a, rollout, bias=b[:vocab], need_kernel=True), adv)
+    assert_same(outcomes(policy_stats_from_hidden(h, w, a, rollout, bias=b, need_kernel=True, vocab_size=vocab), adv), want)
+    with pytest.raises(ValueError, match="tokens contains id 95, outside the vocabulary"):
+        policy_stats(z, torch.full_like(a, 95), rollout, vocab_size=vocab)

@@ -367,10 +367,11 @@ class _ShardLogProb(torch.autograd.Function):
         grad = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
         flat_grad, source = grad.view(-1, width), logits.detach().reshape(-1, width)
         owned = a_cols >= 0
+        buf = torch.empty(min(ctx.rows, lse.numel()), ctx.real, dtype=lse.dtype, device=logits.device)
         for start in range(0, lse.numel(), ctx.rows):
             sl = slice(start, min(start + ctx.rows, lse.numel()))
             g = grad_out[sl].to(lse.dtype)
-            p = source[sl, : ctx.real].to(lse.dtype).sub_(lse[sl, None]).exp_().mul_(-g[:, None])
+            p = buf[: sl.stop - sl.start].copy_(source[sl, : ctx.real]).sub_(lse[sl, None]).exp_().mul_(-g[:, None])
             p.scatter_add_(-1, a_cols[sl, None].clamp_min(0), torch.where(owned[sl], g, 0.0)[:, None])
             flat_grad[sl, : ctx.real] = p
         return grad, None, None, None, None, None
