@@ -96,12 +96,14 @@ def render_sharded(rows: list[ShardedRow]) -> None:
     from rich.table import Table
 
     table = Table(title="pdmask bench: policy_stats + pdm_proportional_tv on a vocabulary split over tp gloo processes, float32, K = 20")
-    for col in ("V", "N", "tp", "sharded ms", "unsharded ms", "sharded/unsharded", "bytes/position", "gather logits bytes/position"):
+    for col in ("V", "N", "tp", "sharded ms", "unsharded ms", "sharded/unsharded", "bytes/position", "gather logits bytes/position",
+                "bytes/gather"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             f"{r.vocab:,}", f"{r.positions:,}", str(r.tp), f"{r.sharded_ms:.1f}", f"{r.unsharded_ms:.1f}",
             f"{r.time_ratio:.2f}x", f"{r.bytes_per_position:.0f}", f"{r.gather_bytes_per_position:,.0f}",
+            f"{100 * r.bytes_per_position / r.gather_bytes_per_position:.2f}%",
         )
     Console(width=max(Console().width, 160)).print(table)
     Console().print(
