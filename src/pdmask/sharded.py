@@ -114,10 +114,13 @@ def count_traffic() -> Iterator[list[int]]:
         _TRAFFIC.remove(log)
 
 
-def agreed(group: dist.ProcessGroup | None, check: Callable[[], T], signature: Callable[[T], Sequence[int]]) -> T:
+def agreed(
+    group: dist.ProcessGroup | None, check: Callable[[], T], signature: Callable[[T], Sequence[int]], like: object
+) -> T:
     """``check()`` on every rank; if it raises ValueError/TypeError on any rank, every rank raises the first
     failing rank's error. The ranks also agree on ``signature(result)`` (the sizes the collectives depend on),
-    so mismatched arguments fail with an error instead of a hang. One all-reduce of a few integers."""
+    so mismatched arguments fail with an error instead of a hang. One all-reduce of 33 integers, on the device
+    of ``like`` (the input tensor; NCCL groups reduce device tensors)."""
     try:
         out, error = check(), None
     except (ValueError, TypeError) as e:
@@ -128,7 +131,8 @@ def agreed(group: dist.ProcessGroup | None, check: Callable[[], T], signature: C
         return out  # type: ignore[return-value]
     sig = [0] * 16 if error is not None else list(signature(out))  # type: ignore[arg-type]
     sig = sig + [0] * (16 - len(sig))
-    flags = torch.tensor([int(error is not None)] + sig + [-v for v in sig], dtype=torch.long)
+    device = like.device if isinstance(like, Tensor) else None
+    flags = torch.tensor([int(error is not None)] + sig + [-v for v in sig], dtype=torch.long, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     if flags[0] > 0:
         errors: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
@@ -304,7 +308,7 @@ def sharded_policy_stats(
         return shard, prep, dtype
 
     d = None if not isinstance(head_weight, Tensor) or head_weight.dim() != 2 else head_weight.shape[1]
-    shard, prep, dtype = agreed(tp_group, check, lambda r: _signature(r[1], need_sq_norm, need_uniform, d, r[2]))
+    shard, prep, dtype = agreed(tp_group, check, lambda r: _signature(r[1], need_sq_norm, need_uniform, d, r[2]), logits)
     rows = chunk_size or default_chunk(logits, dtype, 3 if need_uniform else 2)
     weight = None if head_weight is None else head_weight.detach()[: shard.real].to(dtype)
     acc = _accumulators(prep, shard, need_sq_norm, need_uniform, weight)
@@ -423,7 +427,7 @@ def sharded_policy_stats_from_hidden(
         return shard, head, prep
 
     d = hidden.shape[-1] if need_kernel and isinstance(hidden, Tensor) else None
-    shard, head, prep = agreed(tp_group, check, lambda r: _signature(r[2], need_sq_norm, need_uniform, d, r[1].dtype))
+    shard, head, prep = agreed(tp_group, check, lambda r: _signature(r[2], need_sq_norm, need_uniform, d, r[1].dtype), hidden)
     flat = hidden.detach().reshape(-1, hidden.shape[-1])
     acc = _accumulators(prep, shard, need_sq_norm, need_uniform, head.weight if need_kernel else None)
     local_ids = shard.local(prep.set_ids, -1)
@@ -467,7 +471,7 @@ def gather_set_logits(logits: Tensor, set_ids: Tensor, *, tp_group: dist.Process
             raise ValueError(f"set_ids holds an id outside the vocabulary [0, {shard.vocab}).")
         return shard
 
-    shard = agreed(tp_group, check, lambda s: [set_ids.numel(), s.vocab])
+    shard = agreed(tp_group, check, lambda s: [set_ids.numel(), s.vocab], logits)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     owned = shard.owned(set_ids)
     z = logits.detach().gather(-1, shard.local(set_ids, 0)).to(dtype)
@@ -494,7 +498,7 @@ def stats_from_shard(
         logits: this rank's shard [..., V/tp] of the logits log π(a) came from (after the temperature).
         tokens, rollout: a [...] and μ (binary or top-K; not full).
         logp: log π(a) [...], with the trainer's gradient. sq_norm: ‖π‖² [...] (``proportional``, ``exactpi``).
-        vocab_size: the real V (padded ids never in S); needed by the ``uniform`` and ``exactpi`` estimators.
+        vocab_size: the real V (default tp·V/tp: no padding); ids of S must lie below it.
         methods: the mask methods the caller will use; raises naming those this mode cannot serve: the ones that
             sum over the vocabulary (``*_full_*``, ``pdm_kernel_*``, ``pdm_exactpi_tv``): use ``policy_stats``.
     """
@@ -521,11 +525,11 @@ def stats_from_shard(
         prep = prepare(tokens, rollout, None, shape, shard.vocab, dtype, "logits")
         return shard, prep.rollout, prep.tokens
 
-    shard, checked, a = agreed(tp_group, check, lambda r: [r[2].numel(), r[1].k, r[0].vocab])
+    shard, checked, a = agreed(tp_group, check, lambda r: [r[2].numel(), r[1].k, r[0].vocab], logits)
     set_ids = a.unsqueeze(-1) if checked.topk_ids is None else torch.cat([checked.topk_ids, a.unsqueeze(-1)], -1)
     set_z = gather_set_logits(logits, set_ids, tp_group=tp_group, vocab_size=shard.vocab)
     lse = set_z[..., -1] - logp.detach().to(set_z.dtype)
-    return stats_from_set(logp, a, checked, set_z - lse.unsqueeze(-1), sq_norm=sq_norm, vocab_size=vocab_size)
+    return stats_from_set(logp, a, checked, set_z - lse.unsqueeze(-1), sq_norm=sq_norm, vocab_size=shard.vocab)
 
 
 #: How a host splits a sequence over its context/sequence-parallel ranks: ``contiguous`` (verl's Ulysses:
