@@ -5,7 +5,7 @@ tp_group=...)`` + the ``pdm_proportional_tv`` mask on its [N, V/tp] shard, and r
 ``policy_stats`` + mask on the whole logits, interleaved (median of the repeats). Reported: both times, their
 ratio, and the bytes each rank all-reduces per position (``pdmask.sharded.count_traffic``) against the
 4·V·(tp − 1)/tp bytes per position that gathering the float32 logits would move. On one machine the processes
-share its cores, so the time ratio is an upper bound for tp devices; the bytes are what a real group moves.
+share its cores and gloo's latency counts, so the time ratio is only indicative; the bytes are what a real group moves.
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ def render_sharded(rows: list[ShardedRow]) -> None:
         )
     Console(width=max(Console().width, 160)).print(table)
     Console().print(
-        "The tp processes share this machine's cores (one thread each; the unsharded pass runs alone on rank 0): "
-        "the time ratio bounds what tp devices would see. bytes/position: all-reduced by each rank in one call."
+        "The tp processes (one thread each) share this machine's cores and the unsharded pass runs alone on rank 0: "
+        "the time ratio includes the processes' contention and gloo's latency, so read it from a quiet run. "
+        "bytes/position: all-reduced by each rank in one call; gather: moving the float32 logits instead."
     )
 
 
