@@ -71,21 +71,36 @@ def assert_same(got: dict, want: dict) -> None:
                 assert torch.allclose(g_, w_, rtol=1e-4, atol=2e-6), (key, (g_ - w_).abs().max())
 
 
-def _logits_rank(rank: int, world: int, variant: str) -> dict:
-    vocab, width, z, a, rollout, _, w, _, adv, g = inputs(world)
-    cols = slice(rank * width, (rank + 1) * width)
+def variant_inputs(world: int, variant: str):
+    """(tokens, rollout, response_mask) of a variant: the rollout's information, and padding outside a response mask."""
+    vocab, width, _, a, rollout, *_ = inputs(world)
+    mask = None
     if variant == "topk":
         rollout = rollout_of(rollout.full_logp, a, rollout.topk_ids, rollout.topk_logp)
     elif variant == "binary":
         rollout = rollout_of(rollout.full_logp, a)
-    elif variant == "full_shard":  # μ given as this rank's shard, padded like the logits
+    elif variant == "masked":  # padding outside the response: token -100, junk top-K, NaN in the full μ
+        mask = torch.ones(SHAPE, dtype=torch.bool)
+        mask[0, 3:], mask[2, 0] = False, False
+        a = a.masked_fill(~mask, -100)
+        full = rollout.full_logp.masked_fill(~mask.unsqueeze(-1), float("nan"))
+        rollout = RolloutLogprobs(rollout.logp.masked_fill(~mask, 3.0), rollout.topk_ids.masked_fill(~mask.unsqueeze(-1), 7),
+                                  rollout.topk_logp, full)  # fmt: skip
+    return a, rollout, mask
+
+
+def _logits_rank(rank: int, world: int, variant: str) -> dict:
+    vocab, width, z, _, _, _, w, _, adv, g = inputs(world)
+    a, rollout, mask = variant_inputs(world, variant)
+    cols = slice(rank * width, (rank + 1) * width)
+    if variant == "full_shard":  # μ given as this rank's shard, padded like the logits
         pad = torch.full(SHAPE + (world * width - vocab,), -torch.inf, dtype=torch.float64)
         shard_mu = torch.cat([rollout.full_logp, pad], -1)[..., cols]
         rollout = RolloutLogprobs(rollout.logp, rollout.topk_ids, rollout.topk_logp, shard_mu)
     shard = z[..., cols].clone().requires_grad_(True)
     with count_traffic() as traffic:
         stats = policy_stats(shard, a, rollout, tp_group=dist.group.WORLD, vocab_size=vocab, chunk_size=4,
-                             head_weight=w[cols], need_uniform=variant == "eager")  # fmt: skip
+                             head_weight=w[cols], need_uniform=variant == "eager", response_mask=mask)  # fmt: skip
     out = outcomes(stats, adv)
     (stats.logp * g).sum().backward()
     assert torch.equal(shard.detach(), z[..., cols]), "the backward changed the logits"
@@ -93,13 +108,10 @@ def _logits_rank(rank: int, world: int, variant: str) -> dict:
 
 
 def _reference(world: int, variant: str) -> tuple[dict, torch.Tensor]:
-    vocab, width, z, a, rollout, _, w, _, adv, g = inputs(world)
-    if variant == "topk":
-        rollout = rollout_of(rollout.full_logp, a, rollout.topk_ids, rollout.topk_logp)
-    elif variant == "binary":
-        rollout = rollout_of(rollout.full_logp, a)
+    vocab, width, z, _, _, _, w, _, adv, g = inputs(world)
+    a, rollout, mask = variant_inputs(world, "lazy" if variant in ("eager", "full_shard") else variant)
     full = z[..., :vocab].clone().requires_grad_(True)
-    stats = policy_stats(full, a, rollout, head_weight=w[:vocab])
+    stats = policy_stats(full, a, rollout, head_weight=w[:vocab], response_mask=mask)
     out = outcomes(stats, adv)
     (stats.logp * g).sum().backward()
     grad = torch.cat([full.grad, torch.zeros(SHAPE + (world * width - vocab,))], -1)
@@ -126,7 +138,7 @@ def results_for(world: int) -> list[dict]:
     return run_gloo(world, _rank_main, timeout=TIMEOUT)
 
 
-VARIANTS = {2: ["lazy", "eager", "topk", "binary", "full_shard"], 4: ["lazy", "binary"]}
+VARIANTS = {2: ["lazy", "eager", "topk", "binary", "full_shard", "masked"], 4: ["lazy", "binary"]}
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -135,7 +147,7 @@ def test_logits_shards_give_the_unsharded_statistics_masks_and_gradients(world):
     results = [r["logits"] for r in results_for(world)]
     width = VOCAB[world][1]
     for variant in variants:
-        want, grad = _reference(world, "lazy" if variant in ("eager", "full_shard") else variant)
+        want, grad = _reference(world, variant)
         for rank, got in enumerate(results):
             got = got[variant]
             assert_same({k: v for k, v in got.items() if k in want}, want)

@@ -171,11 +171,11 @@ def _prepare(
         )
     cols = slice(0, shard.real) if full.shape[-1] == shard.width else slice(shard.start, shard.start + shard.real)
     local = full[..., cols].to(device=prep.tokens.device)
-    _check_no_nan_or_pos_inf("rollout.full_logp", local)
     if response_mask is not None:  # outside the response: the neutral token 0 with μ(0) = 1, as RolloutLogprobs.masked
         neutral = torch.full((shard.real,), -torch.inf, dtype=local.dtype, device=local.device)
         neutral[0] = 0.0 if shard.start == 0 else -torch.inf
         local = torch.where(as_bool_mask(response_mask, shape).unsqueeze(-1), local, neutral)
+    _check_no_nan_or_pos_inf("rollout.full_logp", local)
     owned = shard.owned(prep.tokens)
     at_a = local.gather(-1, shard.local(prep.tokens, 0).unsqueeze(-1)).squeeze(-1).to(dtype)
     gap = torch.where(owned, (at_a - prep.rollout.logp).abs(), 0.0)
