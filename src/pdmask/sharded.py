@@ -13,9 +13,13 @@ each shard, relative to the shard's own row max m_r, followed by
    kernel-aware Wᵀμ and Σ sign(π − μ)·π·w [N, 2d].
 
 So a call communicates 4·(C + 4) bytes per position in float32 (C = K + 1; 100 bytes at K = 20), never
-O(V). The kernel-aware masks add 4·d bytes per position in the pass and 4·3d when G_W is formed (S's
-rows of W summed over shards). Before any of this, every rank checks its inputs and the ranks agree on
-the outcome with one small collective, so a bad input on one rank raises the same error on all of them.
+O(V). The kernel-aware masks add 4·d bytes per position in the pass and 4·2d (``kernel_full``) or 4·3d
+(``kernel_topk``) each time G_W is formed (sums of S's rows of W, over the shards). Before any of this,
+every rank checks its inputs and the ranks agree on the outcome with one small collective, so a bad
+input on one rank raises the same error on all of them.
+
+Each rank reduces with its own max and the ranks rescale afterwards (instead of reducing the max first):
+the same two collectives, and the hidden-state path keeps its single online-log-sum-exp sweep.
 """
 
 from __future__ import annotations
