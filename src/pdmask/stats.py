@@ -9,10 +9,11 @@ a finished pass of either into ``PolicyStats``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from pdmask.rollout import RolloutLogprobs
 from pdmask.triton_pass import fused_logits_pass, use_fused
@@ -134,6 +135,8 @@ def policy_stats(
     response_mask: Tensor | None = None,
     head_weight: Tensor | None = None,
     validate: bool = True,
+    tp_group: ProcessGroup | None = None,
+    vocab_size: int | None = None,
 ) -> PolicyStats:
     """Statistics of π = softmax(logits) at the sampled tokens, in one chunked pass.
 
@@ -155,7 +158,20 @@ def policy_stats(
         validate: check the values of tokens, rollout and response_mask and the finiteness of the logits
             (each check reads a value back from the device); ``False`` checks shapes only, for a caller who
             validated the same inputs once: no host-device sync.
+        tp_group: a tensor-parallel process group: ``logits`` is then this rank's shard [..., V/tp] of the vocabulary
+            (Megatron's: rank r holds ids [r·V/tp, (r+1)·V/tp)), ``head_weight`` its [V/tp, d] rows, ``full_logp``
+            [..., V] or the shard; every rank gets the unsharded call's statistics, with the gradient of log π(a)
+            in its own shard (``pdmask.sharded``, docs/sharded.md). Every rank must call with the same positions.
+        vocab_size: the real vocabulary V when the logits are padded (Megatron pads to a multiple of 128·tp):
+            padded ids never enter π and ids >= V are refused. Default: every column is real.
     """
+    if tp_group is not None or vocab_size is not None:
+        from pdmask.sharded import sharded_policy_stats
+
+        return sharded_policy_stats(
+            logits, tokens, rollout, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size,
+            need_sq_norm=need_sq_norm, need_uniform=need_uniform, response_mask=response_mask, head_weight=head_weight,
+        )
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V].")
     if logits.dim() < 1 or logits.shape[-1] < 2:
@@ -275,7 +291,7 @@ def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
     if acc.head is not None:
         h = acc.head
         at = lambda x: None if x is None else x.reshape(shape + (-1,))
-        stats.head = HeadMeans(h.weight, h.tail.reshape(shape + (-1,)), at(h.mu), at(h.sign_pi))  # the pass's, shaped
+        stats.head = replace(h, tail=h.tail.reshape(shape + (-1,)), mu=at(h.mu), sign_pi=at(h.sign_pi))  # the pass's, shaped
     return stats
 
 

@@ -162,6 +162,11 @@ class HeadMeans:
         """The rows W[vocab] [c, d] in the compute dtype."""
         return self.weight[vocab].to(dtype)
 
+    def rows_dot(self, set_ids: Tensor, coef: Tensor) -> Tensor:
+        """Σ_c coef[..., n, c] · w_{set_ids[n, c]} [..., n, d] (``set_rows_dot``; summed over the shards of a
+        vocabulary split over ranks in ``pdmask.sharded``)."""
+        return set_rows_dot(self.weight, set_ids, coef)
+
 
 @dataclass
 class Accumulators:
@@ -320,13 +325,14 @@ GATHER_ELEMENTS = 1 << 22
 
 
 def set_rows_dot(weight: Tensor, set_ids: Tensor, coef: Tensor) -> Tensor:
-    """Σ_c coef[n, c] · W[set_ids[n, c]] [n, d] for W [V, d], ids and coef [n, C]; the rows are gathered
-    a slice of positions at a time (at most ``GATHER_ELEMENTS`` elements)."""
+    """Σ_c coef[..., n, c] · W[set_ids[n, c]] [..., n, d] for W [V, d], ids [n, C] and coef [..., n, C] (several
+    coefficient sets share one gather); the rows are gathered a slice of positions at a time (at most
+    ``GATHER_ELEMENTS`` elements)."""
     n, width = set_ids.shape
     d = weight.shape[1]
-    out = torch.empty(n, d, dtype=coef.dtype, device=coef.device)
+    out = torch.empty(coef.shape[:-1] + (d,), dtype=coef.dtype, device=coef.device)
     for sl in row_slices(n, max(1, GATHER_ELEMENTS // max(width * d, 1))):
-        out[sl] = torch.einsum("nc,ncd->nd", coef[sl], weight[set_ids[sl]].to(coef.dtype))
+        out[..., sl, :] = torch.einsum("...nc,ncd->...nd", coef[..., sl, :], weight[set_ids[sl]].to(coef.dtype))
     return out
 
 

@@ -5,7 +5,8 @@ Paths, each on the same logits [N, V] (no gradient), K = 20:
   dppo_torch  log_softmax(logits.float()) + gathers at a and the top-K  (DPPO's statistics, plain torch)
   dppo_topk   pdmask.policy_stats without ‖π‖² + the dppo_topk_tv mask  (DPPO's statistics, chunked)
   pdm_proportional    pdmask.policy_stats with ‖π‖² + the pdm_proportional_tv mask      (PDM's statistics, chunked)
-and the hidden-state rows of ``pdmask.tools.bench_hidden`` (forward + backward from hidden states and the LM head).
+and the hidden-state rows of ``pdmask.tools.bench_hidden`` (forward + backward from hidden states and the LM head),
+and the sharded rows of ``pdmask.tools.bench_sharded`` (the vocabulary split over tp = 2 gloo processes).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -26,11 +27,13 @@ from pdmask.stats import policy_stats
 from pdmask.tools.bench_counts import launch_rows, render_counts, sync_rows
 from pdmask.tools.bench_device import add_device_arguments, run_device
 from pdmask.tools.bench_hidden import FULL_HIDDEN_GRID, QUICK_HIDDEN_GRID, HiddenRow, measure_hidden, render_hidden
+from pdmask.tools.bench_sharded import FULL_SHARDED_GRID, QUICK_SHARDED_GRID, ShardedRow, measure_sharded, render_sharded
 from pdmask.tools.counts import quiet_stderr
 
 HELP = (
     "Benchmark time and peak memory of the PDM tail statistics against the plain pass and DPPO's top-K statistics, "
-    "and of the statistics straight from hidden states against matmul + policy_stats and a published fused log-prob."
+    "of the statistics straight from hidden states against matmul + policy_stats and a published fused log-prob, "
+    "and of the statistics on a vocabulary split over tp = 2 gloo processes against the unsharded pass."
 )
 
 FULL_GRID = [(v, n, d) for v in (32_000, 151_936) for n in (1_024, 4_096) for d in ("float32", "bfloat16")]
@@ -146,9 +149,9 @@ def render(rows: list[Row]) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="three logits rows and one hidden-state row (N <= 1,024)")
+    p.add_argument("--quick", action="store_true", help="three logits rows, one hidden-state row and one sharded row (N <= 1,024)")
     p.add_argument(
-        "--part", choices=("all", "logits", "hidden", "counts"), default="all",
+        "--part", choices=("all", "logits", "hidden", "sharded", "counts"), default="all",
         help="which rows to run (counts: kernel launches and host-device syncs per call, no timing)",
     )
     p.add_argument(
@@ -190,14 +193,20 @@ def run(args: argparse.Namespace) -> int:
             hidden_rows.append(measure_hidden(cfg, hidden_repeats if "matmul_stats" in cfg.paths else 0, peak_bytes))
             _write_json(args.json, rows, hidden_rows)  # row by row: a long grid keeps what it has measured
         render_hidden(hidden_rows)
-    _write_json(args.json, rows, hidden_rows)
+    sharded_rows: list[ShardedRow] = []
+    if args.part in ("all", "sharded"):
+        sharded_grid = QUICK_SHARDED_GRID if args.quick else FULL_SHARDED_GRID
+        sharded_rows = [measure_sharded(cfg, repeats) for cfg in track(sharded_grid, description="sharded rows", transient=True)]
+        render_sharded(sharded_rows)
+    _write_json(args.json, rows, hidden_rows, sharded_rows)
     return 0
 
 
-def _write_json(path: str | None, rows: list[Row], hidden_rows: list[HiddenRow]) -> None:
+def _write_json(path: str | None, rows: list[Row], hidden_rows: list[HiddenRow], sharded_rows: Sequence[ShardedRow] = ()) -> None:
     if path:
         with open(path, "w") as f:
             f.write(dumps({
                 "logits": [asdict(r) | {"tail_vs_dppo_topk": r.tail_vs_dppo} for r in rows],
                 "hidden": [asdict(r) for r in hidden_rows],
+                "sharded": [asdict(r) | {"time_ratio": r.time_ratio} for r in sharded_rows],
             }, indent=1))
