@@ -36,7 +36,7 @@ def prepare(folder: str) -> None:
     import pandas as pd
     import torch
 
-    from pdmask.integrations.verl.cpu import save_tiny_llama
+    from pdmask.testing.verl import save_tiny_llama
 
     root = Path(folder)
     try:
@@ -83,7 +83,7 @@ def step_metrics(logs: list[str]) -> dict[int, dict[str, float]]:
 def check(folder: str, top_k: int, logs: list[str]) -> None:
     """Fails (AssertionError) unless μ's top K reached PDMLoss as the server sent it, aligned with the response,
     and every step logged pdmask's metrics; prints one line per step and the last step's metrics."""
-    from pdmask.integrations.verl.record import load
+    from pdmask.testing.verl_record import load
 
     server = {tuple(r["prompt"] + r["tokens"]): r for r in load(Path(folder) / "record", "server")}
     seen = load(Path(folder) / "record", "loss")

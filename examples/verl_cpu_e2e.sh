@@ -87,7 +87,7 @@ train() {  # train STEPS LOG: verl's entry point, resuming from $WORK/ckpt when 
     hydra.run.dir="$WORK/hydra" \
     ray_kwargs.ray_init.num_cpus=8 \
     +ray_kwargs.ray_init.num_gpus=1 \
-    +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pdmask.integrations.verl.cpu.init_worker_process_group \
+    +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pdmask.testing.verl_record.worker_setup \
     +ray_kwargs.ray_init.include_dashboard=False >"$2" 2>&1 || { tail -n 60 "$2"; echo "verl run failed: see $2" >&2; return 1; }
   echo "verl run to step $1: $((SECONDS - start)) s"
 }

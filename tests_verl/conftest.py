@@ -16,8 +16,8 @@ from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 import pdmask  # noqa: E402
 from pdmask.integrations.verl import enable_topk_forward  # noqa: E402
-from pdmask.integrations.verl.cpu import padded_batch, save_tiny_llama  # noqa: E402
 from pdmask.integrations.verl.rollout import topk_batch_fields  # noqa: E402
+from pdmask.testing.verl import padded_batch, save_tiny_llama  # noqa: E402
 
 #: The rollout's K, its sampling temperature and the divergence threshold of the engine tests.
 K, TAU, DELTA = 4, 0.8, 0.1

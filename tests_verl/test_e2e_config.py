@@ -106,7 +106,6 @@ BAD_INPUT = {  # (key, value): what the one-line error names
         "default_agent_loop=pdmask_topk_single_turn",
     ),
     "fused kernels": ("actor_rollout_ref.model.use_fused_kernels", True, "use_fused_kernels=False"),
-    "Ulysses": ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 2, "ulysses_sequence_parallel_size=1"),
     "a binary loss": ("actor_rollout_ref.actor.policy_loss.loss_mode", "pdmask_dppo_binary_tv", "top-K methods"),
     "no K": (f"actor_rollout_ref.rollout.custom.{TOP_K_KEY}", None, "custom.pdmask_top_k=K"),
     "K of 0": (f"actor_rollout_ref.rollout.custom.{TOP_K_KEY}", 0, "top_k must be an int >= 1"),
