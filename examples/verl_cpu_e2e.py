@@ -103,6 +103,7 @@ def check(folder: str, top_k: int, logs: list[str]) -> None:
             a = sent["ids"][t].index(sent["tokens"][t])
             assert abs(row["logp"][t] - sent["logps"][t][a]) < 1e-6, "log μ(a) differs"
         matched += 1
+    moved = mu_moved(folder, list(server.values()))
     steps = step_metrics(logs)
     assert steps, "no step line in verl's console log"
     for step, metrics in sorted(steps.items()):
@@ -118,8 +119,41 @@ def check(folder: str, top_k: int, logs: list[str]) -> None:
         f"checked: {matched} responses' μ top K (K = {top_k}) at PDMLoss equal the vLLM server's, token by token "
         f"(response lengths {lengths[0]}–{lengths[-1]} tokens)"
     )
+    print(
+        "μ vs the initial policy (max |Δ log μ| over the top K, by the weights' step the server reported): "
+        + ", ".join(f"step {k}: {v:.2e}" for k, v in moved.items())
+    )
     last = max(steps)
     print(f"final metrics (step {last}): " + " - ".join(f"{k}:{v:.4g}" for k, v in sorted(steps[last].items())))
+
+
+def mu_moved(folder: str, answers: list[dict[str, Any]]) -> dict[Any, float]:
+    """{weights' step: max |log μ − log π₀|} over the top K the server sent, π₀ the initial model (float32, τ = 1).
+
+    Fails unless the first answers (before any sync) are the initial policy and later ones are not: verl's
+    weight sync reached vLLM, so μ is the policy being trained."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(folder) / "model", torch_dtype=torch.float32)
+    moved: dict[Any, float] = {}
+    with torch.no_grad():
+        for sent in answers:
+            p, r = len(sent["prompt"]), len(sent["tokens"])
+            if r == 0:
+                continue
+            logits = model(torch.tensor([sent["prompt"] + sent["tokens"]])).logits[0, p - 1 : p - 1 + r]
+            logp = torch.log_softmax(logits.float(), -1)
+            diff = max(
+                abs(logp[t, i].item() - lp) for t in range(r) for i, lp in zip(sent["ids"][t], sent["logps"][t], strict=True)
+            )
+            step = sent.get("step")
+            moved[step] = max(moved.get(step, 0.0), diff)
+    ordered = dict(sorted(moved.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
+    first, *later = ordered.values()
+    assert first < 1e-3, f"the first rollout is not the initial policy (max |Δ log μ| {first:.2e})"
+    assert later and max(later) > 1e-2, f"μ never moved from the initial policy: weights not synced ({ordered})"
+    return ordered
 
 
 def _is_float(text: str) -> bool:

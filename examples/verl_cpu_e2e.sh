@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # verl's own trainer (python -m verl.trainer.main_ppo, unchanged) with a top-K predictive mask on CPU: Ray, pdmask's
 # top-K vLLM server (a real CPU vLLM engine), the pdmask_topk_single_turn agent loop, TransferQueue, verl's FSDP2
-# actor with PDMLoss, a checkpoint at step 2 and a resumed step 3; verl's weight sync into vLLM cannot run on CPU and
-# is skipped (docs/verl.md says where and why). Exit status 0 when the run and the checks pass; prints each step's
+# actor with PDMLoss, verl's weight sync into vLLM after every update (on the CPU through pdmask's host-tensor
+# transfer, pdmask.integrations.verl.cpu_weights), a checkpoint at step 2 and a resumed step 3. Exit status 0 when the run and the checks pass; prints each step's
 # metrics and the final metrics line. Environment: .ci/verl.sh (install lines in docs/verl.md).
 #   bash examples/verl_cpu_e2e.sh [WORKDIR]      (default: a temporary folder, removed at the end)
 set -euo pipefail

@@ -50,6 +50,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def rollout_batch(model_dir):
+    return make_rollout_batch(model_dir)
+
+
+def make_rollout_batch(model_dir):
     """A padded verl batch, μ the model's distribution at τ perturbed, with its top K; and the reference logits."""
     g = torch.Generator().manual_seed(0)
     lengths = [(5, 6), (3, 4), (4, 1), (2, 5)]

@@ -129,6 +129,18 @@ def test_bad_input_is_one_line_before_the_first_step(topk_config, case):
     assert fix in str(err.value) and "\n" not in str(err.value)
 
 
+def test_ulysses_passes_the_check_but_not_on_the_cpu(topk_config, monkeypatch):
+    """Ulysses sequence parallelism works with PDMLoss (tests_verl/test_sequence_parallel.py); on pdmask's CPU
+    platform verl's Ulysses attention cannot run (it patches flash-attn only), so the check refuses it there."""
+    from pdmask.integrations.verl import trainer
+
+    config = changed(topk_config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 2)
+    trainer.check_topk_config(config)
+    monkeypatch.setattr(trainer, "on_cpu_platform", lambda: True)
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=1 .*flash-attn"):
+        trainer.check_topk_config(config)
+
+
 def test_the_setup_checks_before_it_starts_anything(topk_config):
     from pdmask.integrations.verl.trainer import PDMTrainerSync
 

@@ -101,7 +101,9 @@ def _worker(rank: int, world: int, tp: int, cp: int, store: str, path: str, data
     from pdmask.integrations.verl.cpu import CPUPlatform
 
     set_platform(CPUPlatform())
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    own = not dist.is_initialized()  # in process (world 1) the session's one-process group may exist already
+    if own:
+        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
         saved = torch.load(path)
@@ -127,7 +129,8 @@ def _worker(rank: int, world: int, tp: int, cp: int, store: str, path: str, data
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
     finally:
         mpu.destroy_model_parallel()
-        dist.destroy_process_group()
+        if own:
+            dist.destroy_process_group()
 
 
 def _spawn(batch, tp: int, cp: int, data_format: str, method: str) -> None:

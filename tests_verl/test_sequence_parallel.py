@@ -14,7 +14,6 @@ import os
 import tempfile
 from types import SimpleNamespace
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -72,11 +71,13 @@ def _run(batch, table, sp: int, method: str):
     return loss, seen, logits
 
 
-def _worker(rank: int, store: str, path: str, method: str) -> None:
+METHODS = ("pdm_aggregated_kl", "pdm_proportional_tv", "pdm_exactpi_tv")  # exactpi_tv: the [2, ...] tail sums
+
+
+def _worker(rank: int, store: str, path: str) -> None:
     from verl.plugin.platform import set_platform
     from verl.utils.ulysses import set_ulysses_sequence_parallel_group
 
-    import pdmask
     from pdmask.integrations.verl.cpu import CPUPlatform
 
     set_platform(CPUPlatform())
@@ -84,28 +85,36 @@ def _worker(rank: int, store: str, path: str, method: str) -> None:
     try:
         saved = torch.load(path)
         batch, table = saved["batch"], saved["table"]
-        set_ulysses_sequence_parallel_group(dist.new_group(list(range(SP))))
-        loss2, seen2, logits2 = _run(batch, table, SP, method)
-        loss2.backward()
-        set_ulysses_sequence_parallel_group(None)
-        loss1, seen1, _ = _run(batch, table, 1, method)
-        (stats2, adv, mask), (stats1, _, _) = seen2[0], seen1[0]
-        thresholds = {"delta_low": DELTA, "delta_high": DELTA, "ratio_cap": 3.0}
-        keep2 = pdmask.trust_region_mask(method, stats2, adv, mask, **thresholds)
-        keep1 = pdmask.trust_region_mask(method, stats1, adv, mask, **thresholds)
-        assert torch.equal(keep2, keep1), f"rank {rank}: masks differ at Ulysses size {SP}"
-        assert 0 < (~keep1 & mask).sum() < mask.sum(), "the mask has no work to do"
-        for name in ("logp", "rollout_logp", "set_logp", "set_mu", "rest_mass", "sq_norm"):
-            got, want = getattr(stats2, name).detach(), getattr(stats1, name).detach()
-            torch.testing.assert_close(got[mask], want[mask], rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
-        torch.testing.assert_close(loss2.detach(), loss1.detach(), rtol=1e-6, atol=1e-7)
-        assert logits2.grad is not None and torch.isfinite(logits2.grad).all()
+        group = dist.new_group(list(range(SP)))
+        for method in METHODS:
+            set_ulysses_sequence_parallel_group(group)
+            loss2, seen2, logits2 = _run(batch, table, SP, method)
+            loss2.backward()
+            set_ulysses_sequence_parallel_group(None)
+            loss1, seen1, _ = _run(batch, table, 1, method)
+            _compare(rank, method, loss2, seen2, logits2, loss1, seen1)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("method", ["pdm_aggregated_kl", "pdm_proportional_tv", "pdm_exactpi_tv"])
-def test_ulysses_size_2_masks_equal_size_1(rollout_batch, method):
+def _compare(rank, method, loss2, seen2, logits2, loss1, seen1) -> None:
+    """Size 2 (this rank) against size 1: identical masks, equal statistics, loss and a finite gradient."""
+    import pdmask
+
+    (stats2, adv, mask), (stats1, _, _) = seen2[0], seen1[0]
+    thresholds = {"delta_low": DELTA, "delta_high": DELTA, "ratio_cap": 3.0}
+    keep2 = pdmask.trust_region_mask(method, stats2, adv, mask, **thresholds)
+    keep1 = pdmask.trust_region_mask(method, stats1, adv, mask, **thresholds)
+    assert torch.equal(keep2, keep1), f"rank {rank}, {method}: masks differ at Ulysses size {SP}"
+    assert 0 < (~keep1 & mask).sum() < mask.sum(), f"{method}: the mask has no work to do"
+    for name in ("logp", "rollout_logp", "set_logp", "set_mu", "rest_mass", "sq_norm"):
+        got, want = getattr(stats2, name).detach(), getattr(stats1, name).detach()
+        torch.testing.assert_close(got[mask], want[mask], rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    torch.testing.assert_close(loss2.detach(), loss1.detach(), rtol=1e-6, atol=1e-7)
+    assert logits2.grad is not None and torch.isfinite(logits2.grad).all()
+
+
+def test_ulysses_size_2_masks_equal_size_1(rollout_batch):
     batch, _ = rollout_batch
     from pdmask.integrations.verl.layout import local_rows  # noqa: F401  (the module under test imports in the workers)
 
@@ -116,7 +125,7 @@ def test_ulysses_size_2_masks_equal_size_1(rollout_batch, method):
         path = os.path.join(tmp, "batch.pt")
         torch.save({"batch": dict(batch), "table": table}, path)
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "store"), path, method)) for r in range(SP)]
+        procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "store"), path)) for r in range(SP)]
         for p in procs:
             p.start()
         for p in procs:

@@ -72,7 +72,8 @@ def install() -> None:
     async def recorded_generate(self: Any, prompt_ids: list[int], *args: Any, **kwargs: Any) -> Any:
         output = await generate(self, prompt_ids, *args, **kwargs)
         if ENTRIES in output.extra_fields:
-            record("server", [{"prompt": list(prompt_ids), **output.extra_fields[ENTRIES]}])
+            step = getattr(self, "global_steps", None)  # the weights' step, set by verl's sync
+            record("server", [{"prompt": list(prompt_ids), "step": step, **output.extra_fields[ENTRIES]}])
         return output
 
     TopKvLLMHttpServer.generate = recorded_generate  # type: ignore[method-assign]

@@ -99,6 +99,11 @@ def check_topk_config(config: Any) -> None:
             "enabled", False
         ),
     }
+    if on_cpu_platform():
+        fixes[
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (verl's Ulysses attention patches flash-attn only, "
+            "verl/models/transformers/monkey_patch.py:545-551, which the CPU lacks)"
+        ] = actor.get("ulysses_sequence_parallel_size", 1) == 1
     missing = [fix for fix, ok in fixes.items() if not ok]
     if missing:
         raise ValueError(f"trainer_mode=pdmask_sync needs μ's top K in the actor's loss: set {'; '.join(missing)}.")
