@@ -141,6 +141,18 @@ def test_ulysses_passes_the_check_but_not_on_the_cpu(topk_config, monkeypatch):
         trainer.check_topk_config(config)
 
 
+def test_megatron_tensor_parallelism_needs_sharded_statistics(topk_config, monkeypatch):
+    from pdmask.integrations.verl import trainer
+
+    config = changed(changed(topk_config, "actor_rollout_ref.actor.strategy", "megatron"),
+                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", 2)  # fmt: skip
+    monkeypatch.setattr(trainer, "sharded_stats_available", lambda: False)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=1"):
+        trainer.check_topk_config(config)
+    monkeypatch.setattr(trainer, "sharded_stats_available", lambda: True)
+    trainer.check_topk_config(config)
+
+
 def test_the_setup_checks_before_it_starts_anything(topk_config):
     from pdmask.integrations.verl.trainer import PDMTrainerSync
 

@@ -9,7 +9,8 @@ On ``CPUPlatform`` (``VERL_PLATFORM=pdmask_cpu``), this replaces the two ends of
 sync, through verl's registries and vLLM's own RPC, no verl module patched:
 - the actor's rollout adapter (``CPUServerAdapter``, verl's rollout registry entry for ``vllm``) copies each
   full tensor of ``get_per_tensor_param`` and sends them to its server (a Ray call);
-- the server forwards them to its vLLM worker(s) with ``collective_rpc`` (vLLM serialises host tensors), where
+- the server forwards them to its vLLM worker(s) with ``collective_rpc``, as one ``torch.save`` blob (vLLM's RPC
+  turns tensors inside its arguments into nested lists; bytes pass unchanged), where
   ``HostWeightsExtension`` (the server's worker extension) loads them with verl's own ``_update_weights`` and
   vLLM's ``process_weights_after_loading``, as verl's receiver does after its last bucket.
 The weights travel twice through host memory (a copy per hop): fine for CPU test models, not for a GPU run.
@@ -17,6 +18,7 @@ The weights travel twice through host memory (a copy per hop): fine for CPU test
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,10 +34,12 @@ LOAD_METHOD = "update_weights_from_host"
 class HostWeightsExtension(vLLMColocateWorkerExtension):
     """verl's vLLM worker extension, plus loading weights sent as host tensors."""
 
-    def update_weights_from_host(self, weights: list[tuple[str, Tensor]]) -> int:
-        """Loads ``weights`` (name, full tensor) into the model(s) verl syncs; returns how many tensors came."""
+    def update_weights_from_host(self, blob: bytes) -> int:
+        """Loads the weights in ``blob`` (``torch.save`` of {name: full tensor}) into the model(s) verl syncs;
+        returns how many tensors came."""
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+        weights = list(torch.load(io.BytesIO(blob), weights_only=True).items())
         device = self.device if getattr(self, "device", None) is not None else torch.device("cpu")
         self._update_weights(weights, peft_config=None, base_sync_done=True)
         for model, model_config in self._iter_all_models_with_config():
@@ -55,10 +59,12 @@ class CPUServerAdapter(ServerAdapter):
                 "GPU path (CUDA IPC)."
             )
         # Every rank drains the generator (it may gather shards collectively); the server's rank sends.
-        named = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
+        named = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
         if not self._ensure_server_handle():
             return
-        await self.server_handle.collective_rpc.remote(LOAD_METHOD, args=(named,))
+        blob = io.BytesIO()
+        torch.save(named, blob)
+        await self.server_handle.collective_rpc.remote(LOAD_METHOD, args=(blob.getvalue(),))
         await self.server_handle.clear_kv_cache.remote()
         if global_steps is not None:
             await self.server_handle.set_global_steps.remote(global_steps)

@@ -152,7 +152,7 @@ class PDMLoss:
         sharded = {}
         tp_group = tensor_parallel_group(data_format)
         if tp_group is not None:
-            if "tp_group" not in inspect.signature(policy_stats).parameters:
+            if not sharded_stats_available():
                 raise NotImplementedError(
                     "PDMLoss under Megatron tensor parallelism needs pdmask's sharded statistics "
                     "(pdmask.policy_stats(tp_group=...)), which this pdmask lacks: set "
@@ -202,6 +202,11 @@ class PackedRollout:
     mask: Tensor
     where: Tensor
     valid: Tensor
+
+
+def sharded_stats_available() -> bool:
+    """Whether ``pdmask.policy_stats`` takes a tensor-parallel group (vocab-parallel logits, Megatron tp > 1)."""
+    return "tp_group" in inspect.signature(policy_stats).parameters
 
 
 def pack_rollout(data: TensorDict, tokens: Tensor, method: MaskMethod, top_k: int | None) -> PackedRollout:
@@ -298,6 +303,7 @@ __all__ = [
     "PackedRollout",
     "enable_topk_forward",
     "pack_rollout",
+    "sharded_stats_available",
     "rollout_from_batch",
     "sampled_logp",
 ]
