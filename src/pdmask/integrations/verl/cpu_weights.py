@@ -11,8 +11,8 @@ sync, through verl's registries and vLLM's own RPC, no verl module patched:
   full tensor of ``get_per_tensor_param`` and sends them to its server (a Ray call);
 - the server forwards them to its vLLM worker(s) with ``collective_rpc``, as one ``torch.save`` blob (vLLM's RPC
   turns tensors inside its arguments into nested lists; bytes pass unchanged), where
-  ``HostWeightsExtension`` (the server's worker extension) loads them with verl's own ``_update_weights`` and
-  vLLM's ``process_weights_after_loading``, as verl's receiver does after its last bucket.
+  ``HostWeightsExtension`` (the server's worker extension, a subclass of verl's) loads them with vLLM's own
+  in-place reload.
 The weights travel twice through host memory (a copy per hop): fine for CPU test models, not for a GPU run.
 """
 
@@ -35,15 +35,12 @@ class HostWeightsExtension(vLLMColocateWorkerExtension):
     """verl's vLLM worker extension, plus loading weights sent as host tensors."""
 
     def update_weights_from_host(self, blob: bytes) -> int:
-        """Loads the weights in ``blob`` (``torch.save`` of {name: full tensor}) into the model(s) verl syncs;
+        """Loads the weights in ``blob`` (``torch.save`` of {name: full tensor}) with vLLM's own in-place reload
+        (``model_runner.reload_weights``: the layers' checkpoint-format parameters restored, loaded, processed
+        again; a plain ``load_weights`` fails on the CPU, whose linear layers were repacked after the first load);
         returns how many tensors came."""
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
         weights = list(torch.load(io.BytesIO(blob), weights_only=True).items())
-        device = self.device if getattr(self, "device", None) is not None else torch.device("cpu")
-        self._update_weights(weights, peft_config=None, base_sync_done=True)
-        for model, model_config in self._iter_all_models_with_config():
-            process_weights_after_loading(model, model_config, device)
+        self.model_runner.reload_weights(weights_iterator=weights)
         return len(weights)
 
 
