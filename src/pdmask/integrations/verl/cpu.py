@@ -1,4 +1,4 @@
-"""verl on the CPU, for tests and smoke runs: its FSDP engine in one process, or its whole trainer under Ray.
+"""verl on the CPU (tests, smoke and end-to-end runs): the platform, the Ray workers' process group, the weight sync.
 
 verl resolves its device through a platform object (``verl.plugin.platform``) and ships CUDA, NPU and
 ROCm ones only; ``CPUPlatform`` is the missing one. It is registered in verl's platform registry as
@@ -142,7 +142,8 @@ def init_worker_process_group() -> None:
     (``verl/utils/distributed.py:89``, ``initialize_global_process_group_ray``), which torch refuses when the
     device is the CPU itself (a duplicate device type); it skips that when a group exists. So each process
     verl starts for a worker group (``WG_BACKEND=ray``, with the ``RANK``/``WORLD_SIZE``/``MASTER_*`` verl
-    gives it) gets the same group, gloo only, before verl's code runs there. Set with
+    gives it) gets the same group, gloo only, before verl's code runs there; and every process gets pdmask's
+    CPU weight sync (``use_host_weight_sync``). Set with
     ``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pdmask.integrations.verl.cpu.init_worker_process_group``.
     """
     use_host_weight_sync()
@@ -177,6 +178,8 @@ __all__ = [
     "CPU_ROLLOUT_ADAPTER",
     "CPU_WORKER_EXTENSION",
     "PLATFORM",
-    "CPUPlatform", "init_worker_process_group", "on_cpu_platform",
+    "CPUPlatform",
+    "init_worker_process_group",
+    "on_cpu_platform",
     "use_host_weight_sync",
 ]
