@@ -87,14 +87,13 @@ def make_rollout_batch(model_dir):
 def engine_data(batch, *, rmpad, flag=True, **extra):
     """The batch as verl's trainer hands it to the actor: no-padding layout, the non-tensor keys, the processor flag."""
     td = left_right_2_no_padding(TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]]))
-    tu.assign_non_tensor(
-        td,
-        temperature=TAU,
-        use_remove_padding=rmpad,
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=2,
-        use_fused_kernels=False,
-        global_batch_size=td.batch_size[0],
-        **extra,
-    )
+    defaults = {
+        "temperature": TAU,
+        "use_remove_padding": rmpad,
+        "use_dynamic_bsz": False,
+        "micro_batch_size_per_gpu": 2,
+        "use_fused_kernels": False,
+        "global_batch_size": td.batch_size[0],
+    }
+    tu.assign_non_tensor(td, **(defaults | extra))
     return enable_topk_forward(td) if flag else td
