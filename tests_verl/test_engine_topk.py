@@ -14,8 +14,8 @@ from verl.workers.utils.losses import ppo_loss
 
 import pdmask
 from pdmask.integrations.verl import PDMLoss, losses, topk
-from pdmask.integrations.verl.cpu import build_actor_engine
 from pdmask.integrations.verl.rollout import topk_batch_fields
+from pdmask.testing.verl import build_actor_engine
 
 from conftest import DELTA, K, actor_config, engine_data
 

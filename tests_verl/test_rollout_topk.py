@@ -34,7 +34,7 @@ REQUESTS = DATA["requests"]
 def tiny_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from pdmask.integrations.verl.cpu import save_tiny_llama
+    from pdmask.testing.verl import save_tiny_llama
 
     return AutoTokenizer.from_pretrained(save_tiny_llama(str(tmp_path), vocab_size=512))
 

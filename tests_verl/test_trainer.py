@@ -62,8 +62,8 @@ def test_trainer_mode_trains_through_verls_training_worker(model_dir, rollout_ba
     the loss function it sets and the non-tensor keys it sends (as verl's TransferQueue layer applies them)."""
     from verl.utils import tensordict_utils as tu
 
-    from pdmask.integrations.verl.cpu import build_training_worker
     from pdmask.integrations.verl.trainer import PDMTrainerSync
+    from pdmask.testing.verl import build_training_worker
 
     worker = build_training_worker(model_dir, use_remove_padding=True)
     batch, _ = rollout_batch

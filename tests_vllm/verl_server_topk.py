@@ -40,12 +40,12 @@ def main(out: str) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from pdmask.integrations.verl.agent_loop import TopKAgentLoopOutput
-    from pdmask.integrations.verl.cpu import save_tiny_llama
     from pdmask.integrations.verl.rollout import ENTRIES
     from pdmask.integrations.verl.topk import TOPK_IDS, TOPK_LOGP, rollout_from_batch
     from pdmask.integrations.verl.vllm_server import TopKvLLMHttpServer
     from pdmask.integrations.vllm import TopKCapture
     from pdmask.methods import get_method
+    from pdmask.testing.verl import save_tiny_llama
 
     model_dir = save_tiny_llama(tempfile.mkdtemp(), vocab_size=VOCAB)  # its tokenizer (verl's model config loads one)
     tiny_llama().save_pretrained(model_dir)  # head size 64: a size vLLM's CPU attention supports

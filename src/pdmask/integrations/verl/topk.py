@@ -1,18 +1,23 @@
-"""Top-K methods in verl's FSDP engine: the actor's loss function doubles as a logits processor.
+"""Top-K methods in verl's FSDP and Megatron engines: the actor's loss function doubles as a logits processor.
 
-verl's engine calls the actor's loss function twice per micro-batch when the batch carries the
+verl's engines call the actor's loss function twice per micro-batch when the batch carries the
 non-tensor flag ``distillation_use_topk`` (the hook of its top-K distillation): first as a logits
-processor on the packed, temperature-scaled logits [1, N, V] it already holds, then as the loss.
-``PDMLoss`` reads π at S = TopK(μ) ∪ {a}, π's rest mass and ‖π‖² there with ``pdmask.policy_stats``
-(one chunked pass, no second [N, V] tensor) and hands them back as per-token outputs; as the loss it
-runs verl's own ``ppo_loss`` (entropy and KL terms, global-batch aggregation, metrics), whose policy
-loss ``pdmask_<method>`` takes these statistics and verl's log π(a) with its gradient.
+processor on the temperature-scaled logits this rank holds, then as the loss. The FSDP engine passes the
+packed logits [1, N, V] (under Ulysses sequence parallelism this rank's slice [1, ⌈N/sp⌉, V]); the Megatron
+engine passes ``data_format=`` and vocab-parallel logits [b, s/cp, V/tp]. ``PDMLoss`` lays μ's rows out on
+this rank as the engine laid out its sequence (``pdmask.integrations.verl.layout``), reads π at
+S = TopK(μ) ∪ {a}, π's rest mass and ‖π‖² there with ``pdmask.policy_stats`` (one chunked pass, no second
+[N, V] tensor; across tensor-parallel ranks with its ``tp_group``) and hands them back as per-token outputs,
+which the engine gathers like its log-probs; as the loss it runs verl's own ``ppo_loss`` (entropy and KL
+terms, global-batch aggregation, metrics), whose policy loss ``pdmask_<method>`` takes these statistics and
+verl's log π(a) with its gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -25,8 +30,8 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
+from pdmask.integrations.verl.layout import local_rows, tensor_parallel_group
 from pdmask.integrations.verl.losses import loss_name, method_of, register
-from pdmask.integrations.verl.record import record, recording
 from pdmask.methods import METHODS, MaskMethod
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import PolicyStats, policy_stats
@@ -103,10 +108,13 @@ class PDMLoss:
         data: TensorDict | None = None,
         dp_group: Any = None,
         student_logits: Tensor | None = None,
+        data_format: str | None = None,
     ) -> Any:
+        """verl's engine calls it as the logits processor (``student_logits``; the Megatron engine adds
+        ``data_format``), then as the loss (``model_output``, ``dp_group``)."""
         assert data is not None
         if student_logits is not None:
-            return self.logits_processor(student_logits, data)
+            return self.logits_processor(student_logits, data, data_format)
         assert model_output is not None
         if not any(key.startswith(_OUT) for key in model_output):
             fused = tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False)
@@ -124,42 +132,44 @@ class PDMLoss:
         with _stats_for_policy_loss(stats):
             return ppo_loss(self.config, model_output, data, dp_group)
 
-    def logits_processor(self, student_logits: Tensor, data: TensorDict) -> dict[str, Tensor]:
-        """Per packed token [1, N]: each tensor field of pdmask's PolicyStats (but log π(a)), column by column."""
-        logits = student_logits.detach()[0]
-        n = logits.shape[0]
+    def logits_processor(self, student_logits: Tensor, data: TensorDict, data_format: str | None = None) -> dict[str, Tensor]:
+        """Per token of this rank's logits [..., V] (FSDP: [1, N] or Ulysses [1, ⌈N/sp⌉]; Megatron: [1, N'/cp] or
+        [B, S/cp], vocabulary split over tensor-parallel ranks): each tensor field of pdmask's PolicyStats but
+        log π(a), column by column."""
+        logits = student_logits.detach()
         tokens = torch.roll(data["input_ids"].values(), shifts=-1, dims=0).to(logits.device)
-        if tokens.shape[0] != n:
+        packed = pack_rollout(data, tokens, self.method, self.top_k)
+        mu = packed.rollout
+        assert mu.topk_ids is not None and mu.topk_logp is not None
+        rows = [local_rows(x, data, data_format) for x in (tokens, packed.mask.long(), mu.logp, mu.topk_ids, mu.topk_logp)]
+        shape = tuple(logits.shape[:-1])
+        if tuple(rows[0].shape) != shape:
             raise NotImplementedError(
-                "PDMLoss needs the whole packed sequence on this rank: Ulysses sequence parallelism and pad_to_length "
-                "are not supported with pdmask's top-K methods."
+                f"PDMLoss laid μ's rows out as {tuple(rows[0].shape)} but this rank's logits are {shape}: verl's "
+                "engine padded or split the sequence in a way pdmask does not follow (pad_to_length, FP8 padding, "
+                "dynamic context parallelism); turn it off for pdmask's top-K methods."
             )
-        # Packed position of each response token (the logits before it): verl's own response slicing, inverted.
-        where = no_padding_2_padding(torch.arange(1, n + 1, device=logits.device), data).long() - 1
-        rollout = rollout_from_batch(data, self.method, self.top_k)
-        valid = (where >= 0) & _padded(data["response_mask"]).bool().to(where.device)
-        at = where[valid]
-        packed = torch.zeros(n, dtype=torch.bool, device=logits.device)
-        packed[at] = True
-        k = rollout.k
-        ids = torch.arange(k, device=logits.device).expand(n, k).clone()
-        ids[at] = rollout.topk_ids.to(logits.device)[valid]
-        assert rollout.topk_logp is not None
-        topk_logp = torch.zeros(n, k, device=logits.device)
-        topk_logp[at] = rollout.topk_logp.to(logits.device)[valid]
-        logp = torch.zeros(n, device=logits.device)
-        logp[at] = rollout.logp.to(logits.device)[valid]
-        if recording():
-            _record_inputs(data["input_ids"], tokens, where, valid, ids, topk_logp, logp)
+        sharded = {}
+        tp_group = tensor_parallel_group(data_format)
+        if tp_group is not None:
+            if not sharded_stats_available():
+                raise NotImplementedError(
+                    "PDMLoss under Megatron tensor parallelism needs pdmask's sharded statistics "
+                    "(pdmask.policy_stats(tp_group=...)), which this pdmask lacks: set "
+                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1 or update pdmask."
+                )
+            # π over Megatron's padded vocabulary, the one verl's own log-probs normalise over.
+            sharded = {"tp_group": tp_group, "vocab_size": logits.shape[-1] * torch.distributed.get_world_size(tp_group)}
         stats = policy_stats(
             logits,
-            tokens,
-            RolloutLogprobs(logp, ids, topk_logp),
+            rows[0],
+            RolloutLogprobs(rows[2].float(), rows[3].long(), rows[4].float()),
             need_sq_norm=True,  # tail, uniform and the direction-disagreement metric use ‖π‖²
             need_uniform=self.method.needs_uniform,
-            response_mask=packed,
+            response_mask=rows[1].bool(),
+            **sharded,
         )
-        return dict(_flatten(stats))
+        return dict(_flatten(stats, shape))
 
     def _stats(self, model_output: dict[str, Tensor], data: TensorDict) -> PolicyStats:
         """PolicyStats [B, R] from the processor's per-token outputs; log π(a) is set by the policy loss."""
@@ -180,24 +190,43 @@ class PDMLoss:
         return PolicyStats(logp=singles["rollout_logp"], has_topk=True, has_full=False, **singles)
 
 
-def _record_inputs(
-    input_ids: Tensor, tokens: Tensor, where: Tensor, valid: Tensor, ids: Tensor, topk_logp: Tensor, logp: Tensor
-) -> None:
-    """Per sample, the sequence and, at each response token, the token a the statistics pair with μ's row
-    (``record``; the end-to-end check compares them with what the rollout server sent)."""
-    rows = []
-    for b, sequence in enumerate(input_ids.unbind()):
-        at = where[b][valid[b]]
-        rows.append(
-            {
-                "sequence": sequence.tolist(),
-                "targets": tokens[at].tolist(),
-                "topk_ids": ids[at].tolist(),
-                "topk_logps": topk_logp[at].tolist(),
-                "logp": logp[at].tolist(),
-            }
-        )
-    record("loss", rows)
+@dataclasses.dataclass(frozen=True)
+class PackedRollout:
+    """μ at the N packed tokens of a micro-batch, and where each response token sits among them.
+
+    ``rollout``: log μ(a) [N], μ's top K [N, K] (neutral rows off the responses); ``mask`` [N]: response tokens;
+    ``where`` [B, R]: packed index of the logits that predict response token t of sample b; ``valid`` [B, R].
+    """
+
+    rollout: RolloutLogprobs
+    mask: Tensor
+    where: Tensor
+    valid: Tensor
+
+
+def sharded_stats_available() -> bool:
+    """Whether ``pdmask.policy_stats`` takes a tensor-parallel group (vocab-parallel logits, Megatron tp > 1)."""
+    return "tp_group" in inspect.signature(policy_stats).parameters
+
+
+def pack_rollout(data: TensorDict, tokens: Tensor, method: MaskMethod, top_k: int | None) -> PackedRollout:
+    """μ's response-aligned rows [B, R(, K)] laid out on verl's packed sequence [N] (``tokens``: its next tokens)."""
+    n, device = tokens.shape[0], tokens.device
+    # Packed position of each response token (the logits before it): verl's own response slicing, inverted.
+    where = no_padding_2_padding(torch.arange(1, n + 1, device=device), data).long() - 1
+    rollout = rollout_from_batch(data, method, top_k)
+    valid = (where >= 0) & _padded(data["response_mask"]).bool().to(device)
+    at = where[valid]
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    mask[at] = True
+    k = rollout.k
+    ids = torch.arange(k, device=device).expand(n, k).clone()
+    ids[at] = rollout.topk_ids.to(device)[valid]  # type: ignore[union-attr]  # rollout_from_batch sets the top K
+    topk_logp = torch.zeros(n, k, device=device)
+    topk_logp[at] = rollout.topk_logp.to(device)[valid]  # type: ignore[union-attr]
+    logp = torch.zeros(n, device=device)
+    logp[at] = rollout.logp.to(device)[valid]
+    return PackedRollout(RolloutLogprobs(logp, ids, topk_logp), mask, where, valid)
 
 
 def enable_topk_forward(data: TensorDict) -> TensorDict:
@@ -215,18 +244,19 @@ def _stats_for_policy_loss(stats: PolicyStats) -> Iterator[None]:
         _current.reset(token)
 
 
-def _flatten(stats: PolicyStats) -> Iterator[tuple[str, Tensor]]:
-    """(key, [1, N]) for every tensor field but log π(a): an [N] field as ``name``, an [N, C] one as ``name/j``."""
+def _flatten(stats: PolicyStats, shape: tuple[int, ...]) -> Iterator[tuple[str, Tensor]]:
+    """(key, ``shape``) for every tensor field but log π(a): a per-token field as ``name``, one with C columns as
+    ``name/j`` (verl's engine carries per-token outputs only)."""
     for f in dataclasses.fields(stats):
         value = getattr(stats, f.name)
         if f.name == "logp" or not isinstance(value, Tensor):
             continue
-        if value.dim() == 1:
-            yield f"{_OUT}{f.name}", value.unsqueeze(0)
+        if value.dim() == len(shape):
+            yield f"{_OUT}{f.name}", value
             continue
-        cols = value.T if f.name in _LEADING_PAIR else value
-        for j in range(cols.shape[-1]):
-            yield f"{_OUT}{f.name}/{j}", cols[:, j].unsqueeze(0)
+        cols = value.unbind(0) if f.name in _LEADING_PAIR else value.unbind(-1)
+        for j, col in enumerate(cols):
+            yield f"{_OUT}{f.name}/{j}", col
 
 
 def _padded(x: Tensor) -> Tensor:
@@ -270,7 +300,10 @@ __all__ = [
     "TOPK_LOGP",
     "HEAD_METHODS",
     "TOPK_METHODS",
+    "PackedRollout",
     "enable_topk_forward",
+    "pack_rollout",
+    "sharded_stats_available",
     "rollout_from_batch",
     "sampled_logp",
 ]

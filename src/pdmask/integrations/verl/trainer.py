@@ -17,10 +17,10 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from pdmask.integrations.logprob_lists import check_logprobs_mode
 from pdmask.integrations.verl.agent_loop import TOPK_AGENT_LOOP
-from pdmask.integrations.verl.cpu import WithoutWeightSync, on_cpu_platform
+from pdmask.integrations.verl.cpu import on_cpu_platform, use_host_weight_sync
 from pdmask.integrations.verl.losses import loss_name, method_of
 from pdmask.integrations.verl.rollout import LOGPROBS_FIX, rollout_top_k
-from pdmask.integrations.verl.topk import PROCESSOR_FLAG, TOPK_METHODS, PDMLoss
+from pdmask.integrations.verl.topk import PROCESSOR_FLAG, TOPK_METHODS, PDMLoss, sharded_stats_available
 
 #: The ``trainer.v1.trainer_mode`` this module registers.
 TRAINER_MODE = "pdmask_sync"
@@ -41,9 +41,9 @@ class PDMTrainerSync(PPOTrainerSync):
         from pdmask.integrations.verl.vllm_server import use_topk_replica  # imports vLLM
 
         use_topk_replica()
+        if on_cpu_platform():  # verl's shared-memory weight sync fails on the CPU; pdmask's host-tensor one instead
+            use_host_weight_sync()
         super()._setup()
-        if on_cpu_platform():  # a CPU test run: verl's weight sync cannot run there (WithoutWeightSync says why)
-            self.checkpoint_manager = WithoutWeightSync(self.checkpoint_manager)
 
     def on_init_end(self) -> None:
         super().on_init_end()
@@ -63,7 +63,7 @@ class PDMTrainerSync(PPOTrainerSync):
 def check_topk_config(config: Any) -> None:
     """Refuses, before anything starts, a config whose top-K path cannot work: one line naming each override.
 
-    Checked: a top-K ``loss_mode``; logits the loss can read (no fused kernels, no Ulysses); a rollout that
+    Checked: a top-K ``loss_mode``; logits the loss can read (no fused kernels); a rollout that
     brings μ's top K (pdmask's vLLM server, not a custom one, with a cap of at least K; the top-K agent loop;
     log-probs of the sampled distribution). K itself is one setting, ``rollout.custom.pdmask_top_k``, read by
     the server, the agent loop and ``PDMLoss`` alike.
@@ -84,9 +84,6 @@ def check_topk_config(config: Any) -> None:
         "actor_rollout_ref.model.use_fused_kernels=False (fused kernels never materialise the logits PDMLoss reads)": (
             not ref.model.get("use_fused_kernels", False)
         ),
-        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (PDMLoss needs whole sequences)": (
-            actor.get("ulysses_sequence_parallel_size", 1) == 1
-        ),
         "actor_rollout_ref.rollout.name=vllm (SGLang's server is not extended)": rollout.get("name") == "vllm",
         "actor_rollout_ref.rollout.agent.custom_async_server.path=null (pdmask's vLLM server returns the top K)": not (
             ((rollout.get("agent") or {}).get("custom_async_server") or {}).get("path")
@@ -102,6 +99,17 @@ def check_topk_config(config: Any) -> None:
             "enabled", False
         ),
     }
+    tp = ((actor.get("megatron") or {}).get("tensor_model_parallel_size") or 1) if actor.get("strategy") == "megatron" else 1
+    if tp > 1 and not sharded_stats_available():
+        fixes[
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1 (this pdmask's policy_stats takes no tp_group "
+            "for the vocab-parallel logits)"
+        ] = False
+    if on_cpu_platform():
+        fixes[
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (verl's Ulysses attention patches flash-attn only, "
+            "verl/models/transformers/monkey_patch.py:545-551, which the CPU lacks)"
+        ] = actor.get("ulysses_sequence_parallel_size", 1) == 1
     missing = [fix for fix, ok in fixes.items() if not ok]
     if missing:
         raise ValueError(f"trainer_mode=pdmask_sync needs μ's top K in the actor's loss: set {'; '.join(missing)}.")

@@ -19,7 +19,7 @@ from verl.workers.rollout.replica import RolloutReplicaRegistry, TokenOutput
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from pdmask.integrations.logprob_lists import VLLM_MAX_LOGPROBS, check_logprobs_mode
-from pdmask.integrations.verl.record import record
+from pdmask.integrations.verl.cpu import CPU_WORKER_EXTENSION, on_cpu_platform
 from pdmask.integrations.verl.rollout import ENTRIES, LOGPROBS_FIX, entries_field, rollout_top_k
 from pdmask.integrations.vllm import TopKCapture, engine_kwargs
 
@@ -32,6 +32,11 @@ class TopKvLLMHttpServer(vLLMHttpServer):
         self.top_k = rollout_top_k(config)
         check_logprobs_mode(config.logprobs_mode, config.temperature, fix=LOGPROBS_FIX)
         return config
+
+    def _get_worker_extension_cls(self) -> str:
+        if on_cpu_platform():  # the worker side of pdmask's CPU weight sync (pdmask.integrations.verl.cpu_weights)
+            return CPU_WORKER_EXTENSION
+        return super()._get_worker_extension_cls()
 
     def _preprocess_engine_kwargs(self, kwargs: dict) -> None:
         super()._preprocess_engine_kwargs(kwargs)
@@ -56,7 +61,6 @@ class TopKvLLMHttpServer(vLLMHttpServer):
             final = self.engine.pop(request_id) if self.engine is not None else None
         if output.log_probs is not None and final is not None and final.outputs:
             output.extra_fields[ENTRIES] = entries_field(final.outputs[0])
-            record("server", [{"prompt": list(prompt_ids), **output.extra_fields[ENTRIES]}])
         return output
 
 
