@@ -12,6 +12,7 @@ from pdmask.cli import main
 from pdmask.tools import bench
 from pdmask.tools.bench import PATHS, Row, make_inputs, measure, paths, peak_bytes, render
 from pdmask.tools.bench_hidden import HIDDEN_PATHS, HiddenConfig, measure_hidden, render_hidden
+from pdmask.tools.bench_sharded import ShardedConfig
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +44,12 @@ def test_bench_report_has_every_path_with_finite_positive_numbers(tmp_path, monk
     """`pdmask bench --json` on a small grid: one row per grid entry, every path timed and measured, all finite."""
     monkeypatch.setattr(bench, "QUICK_GRID", [(4_000, 64, "float32"), (4_000, 64, "bfloat16")])
     monkeypatch.setattr(bench, "QUICK_HIDDEN_GRID", [HiddenConfig(4_000, 32, 64, "float32")])
+    monkeypatch.setattr(bench, "QUICK_SHARDED_GRID", [ShardedConfig(4_000, 64)])
     report = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--repeats", "1", "--json", str(report)]) == 0
     data = json.loads(report.read_text())
-    assert set(data) == {"logits", "hidden"} and len(data["logits"]) == 2 and len(data["hidden"]) == 1
+    assert set(data) == {"logits", "hidden", "sharded"} and len(data["logits"]) == 2
+    assert len(data["hidden"]) == len(data["sharded"]) == 1
     for row in data["logits"]:
         assert (row["vocab"], row["positions"]) == (4_000, 64)
         assert set(row["ms"]) == set(row["peak_mib"]) == set(PATHS)
@@ -54,6 +57,10 @@ def test_bench_report_has_every_path_with_finite_positive_numbers(tmp_path, monk
     hidden = data["hidden"][0]
     assert set(hidden["ms"]) == set(hidden["cpu_ms"]) == set(hidden["extra_mib"]) == set(HIDDEN_PATHS)
     assert all(v > 0 for v in hidden["ms"].values())
+    sharded = data["sharded"][0]
+    assert (sharded["vocab"], sharded["positions"], sharded["tp"]) == (4_000, 64, 2)
+    assert sharded["sharded_ms"] > 0 and sharded["unsharded_ms"] > 0
+    assert 0 < sharded["bytes_per_position"] < sharded["gather_bytes_per_position"]
     numbers = _finite_numbers(data)
     assert numbers and all(math.isfinite(v) and v >= 0 for v in numbers)
     assert "pdmask bench" in capsys.readouterr().out

@@ -11,7 +11,6 @@ must equal ``pdmask.policy_loss`` on the same logits, unsharded.
 
 from __future__ import annotations
 
-import inspect
 import os
 import tempfile
 from functools import partial
@@ -168,27 +167,7 @@ def test_megatron_hook_with_context_parallelism_2(rollout_batch):
     _spawn(rollout_batch[0], 1, 2, "thd", "pdm_aggregated_kl")
 
 
-@pytest.mark.skipif(
-    "tp_group" not in inspect.signature(__import__("pdmask").policy_stats).parameters,
-    reason="tensor parallelism needs pdmask.policy_stats(tp_group=...), the sharded statistics of issue 28",
-)
 def test_megatron_hook_with_tensor_parallelism_2(rollout_batch):
     _spawn(rollout_batch[0], 2, 1, "thd", "pdm_aggregated_kl")
 
 
-def test_tensor_parallelism_without_sharded_statistics_is_refused(rollout_batch, monkeypatch):
-    """Until pdmask.policy_stats takes tp_group, the hook refuses tp > 1 in one line rather than a wrong answer."""
-    from pdmask.integrations.verl import layout, topk
-
-    if "tp_group" in inspect.signature(topk.policy_stats).parameters:
-        pytest.skip("pdmask.policy_stats takes tp_group: tensor parallelism is tested above")
-    monkeypatch.setattr(topk, "tensor_parallel_group", lambda data_format: object())
-    batch = rollout_batch[0]
-    data = engine_data(batch, rmpad=True)
-    from verl.workers.config import PolicyLossConfig
-
-    config = actor_config(policy_loss=PolicyLossConfig(loss_mode="pdmask_pdm_aggregated_kl"))
-    n = int(batch["attention_mask"].sum())
-    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=1"):
-        topk.PDMLoss(config, top_k=K)(student_logits=torch.zeros(1, n, VOCAB), data=data)
-    assert layout.tensor_parallel_group(None) is None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -149,17 +148,9 @@ class PDMLoss:
                 "engine padded or split the sequence in a way pdmask does not follow (pad_to_length, FP8 padding, "
                 "dynamic context parallelism); turn it off for pdmask's top-K methods."
             )
-        sharded = {}
+        # Under Megatron tp the logits are this rank's vocabulary shard; every padded column counts in π (no
+        # vocab_size), as in verl's own log-probs, whose log π(a) the policy loss puts beside these statistics.
         tp_group = tensor_parallel_group(data_format)
-        if tp_group is not None:
-            if not sharded_stats_available():
-                raise NotImplementedError(
-                    "PDMLoss under Megatron tensor parallelism needs pdmask's sharded statistics "
-                    "(pdmask.policy_stats(tp_group=...)), which this pdmask lacks: set "
-                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1 or update pdmask."
-                )
-            # π over Megatron's padded vocabulary, the one verl's own log-probs normalise over.
-            sharded = {"tp_group": tp_group, "vocab_size": logits.shape[-1] * torch.distributed.get_world_size(tp_group)}
         stats = policy_stats(
             logits,
             rows[0],
@@ -167,7 +158,7 @@ class PDMLoss:
             need_sq_norm=True,  # tail, uniform and the direction-disagreement metric use ‖π‖²
             need_uniform=self.method.needs_uniform,
             response_mask=rows[1].bool(),
-            **sharded,
+            tp_group=tp_group,
         )
         return dict(_flatten(stats, shape))
 
@@ -202,11 +193,6 @@ class PackedRollout:
     mask: Tensor
     where: Tensor
     valid: Tensor
-
-
-def sharded_stats_available() -> bool:
-    """Whether ``pdmask.policy_stats`` takes a tensor-parallel group (vocab-parallel logits, Megatron tp > 1)."""
-    return "tp_group" in inspect.signature(policy_stats).parameters
 
 
 def pack_rollout(data: TensorDict, tokens: Tensor, method: MaskMethod, top_k: int | None) -> PackedRollout:
@@ -303,7 +289,6 @@ __all__ = [
     "PackedRollout",
     "enable_topk_forward",
     "pack_rollout",
-    "sharded_stats_available",
     "rollout_from_batch",
     "sampled_logp",
 ]

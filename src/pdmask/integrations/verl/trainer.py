@@ -20,7 +20,7 @@ from pdmask.integrations.verl.agent_loop import TOPK_AGENT_LOOP
 from pdmask.integrations.verl.cpu import on_cpu_platform, use_host_weight_sync
 from pdmask.integrations.verl.losses import loss_name, method_of
 from pdmask.integrations.verl.rollout import LOGPROBS_FIX, rollout_top_k
-from pdmask.integrations.verl.topk import PROCESSOR_FLAG, TOPK_METHODS, PDMLoss, sharded_stats_available
+from pdmask.integrations.verl.topk import PROCESSOR_FLAG, TOPK_METHODS, PDMLoss
 
 #: The ``trainer.v1.trainer_mode`` this module registers.
 TRAINER_MODE = "pdmask_sync"
@@ -99,12 +99,6 @@ def check_topk_config(config: Any) -> None:
             "enabled", False
         ),
     }
-    tp = ((actor.get("megatron") or {}).get("tensor_model_parallel_size") or 1) if actor.get("strategy") == "megatron" else 1
-    if tp > 1 and not sharded_stats_available():
-        fixes[
-            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1 (this pdmask's policy_stats takes no tp_group "
-            "for the vocab-parallel logits)"
-        ] = False
     if on_cpu_platform():
         fixes[
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (verl's Ulysses attention patches flash-attn only, "
