@@ -168,14 +168,9 @@ def test_metrics_stay_finite_for_extreme_ratios():
     assert metrics["ratio/max"] > 1e40
 
 
-def test_mask_metrics_old_call_warns_and_measures_the_given_keep(case):
-    from pdmask import decide, mask_metrics, policy_stats
+def test_mask_metrics_takes_a_decision(case):
+    from pdmask import mask_metrics
 
-    z, logmu, a, ids, vals = case
-    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals))
-    adv = torch.linspace(-1, 1, a.shape[0], dtype=torch.float64)
-    mask = torch.ones_like(a)
-    new = mask_metrics(decide("pdm_aggregated_kl", stats, adv, mask))
-    with pytest.warns(DeprecationWarning, match="pass the decision"):
-        old = mask_metrics("pdm_aggregated_kl", stats, adv, mask, torch.zeros_like(a, dtype=torch.bool))
-    assert old["mask/dropped_frac"] == 1.0 and old["div/mean"] == new["div/mean"]
+    with pytest.raises(TypeError, match="pdmask.decide"):
+        mask_metrics("pdm_aggregated_kl")
+

@@ -51,15 +51,9 @@ def test_kernel_aware_modes_say_why_verl_cannot_run_them(binary_batch):
         get_policy_loss_fn("pdmask_pdm_kernel_topk_kl")(old, new, adv, mask, "token-mean", actor_config(), None)
 
 
-def test_an_earlier_loss_mode_name_warns_and_maps():
-    from verl.workers.config import PolicyLossConfig
-
-    from pdmask.integrations.verl import PDMLoss
-
-    assert get_policy_loss_fn("pdmask_pdm_bucket_kl") is get_policy_loss_fn("pdmask_pdm_aggregated_kl")
-    with pytest.warns(DeprecationWarning, match="now called 'pdm_aggregated_kl'"):
-        loss = PDMLoss(actor_config(policy_loss=PolicyLossConfig(loss_mode="pdmask_pdm_bucket_kl")))
-    assert loss.method.name == "pdm_aggregated_kl"
+def test_a_name_of_no_release_is_no_loss_mode():
+    with pytest.raises(ValueError, match="Unsupported loss mode"):
+        get_policy_loss_fn("pdmask_pdm_bucket_kl")
 
 
 @pytest.mark.parametrize("kind", ["tv", "kl"])
@@ -119,7 +113,7 @@ def test_same_loss_as_pdmask_core(binary_batch, method):
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-6, atol=1e-7)
     assert metrics["actor/pdmask/mask/dropped_frac"] == pytest.approx(
-        pdmask.mask_metrics(m, stats, adv, mask, keep, **t)["mask/dropped_frac"]
+        pdmask.mask_metrics(pdmask.decide(m, stats, adv, mask, **t))["mask/dropped_frac"]
     )
 
 

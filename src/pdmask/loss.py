@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -164,16 +162,7 @@ def policy_loss(
 
 
 @torch.no_grad()
-def mask_metrics(
-    decision: MaskDecision | str | MaskMethod,
-    stats: PolicyStats | None = None,
-    advantages: Tensor | None = None,
-    response_mask: Tensor | None = None,
-    keep: Tensor | None = None,
-    *,
-    as_tensors: bool = False,
-    **thresholds: float | None,
-) -> dict[str, float] | dict[str, Tensor]:
+def mask_metrics(decision: MaskDecision, *, as_tensors: bool = False) -> dict[str, float] | dict[str, Tensor]:
     """Metrics of a ``MaskDecision`` over its response tokens: dropped shares, D, ratio, disagreement.
 
     The divergence is the method's own (TV at the richest information for ppo_clip and pg_is);
@@ -182,21 +171,12 @@ def mask_metrics(
     information, where the two coincide). ``count/*`` give each share's denominator, to pool shares
     over micro-batches (``pool_metrics``). Plain floats, read back in one transfer; ``as_tensors=True``
     leaves them float64 0-d tensors on the device (no host-device sync; ``metrics_to_floats`` converts).
-    The older call ``mask_metrics(method, stats, advantages, response_mask, keep, **thresholds)`` still
-    works, with a DeprecationWarning.
     """
     if not isinstance(decision, MaskDecision):
-        warnings.warn(
-            "mask_metrics(method, stats, advantages, response_mask, keep, ...) is deprecated: pass the decision, "
-            "mask_metrics(pdmask.decide(method, stats, advantages, response_mask, ...)).",
-            DeprecationWarning,
-            stacklevel=2,
+        raise TypeError(
+            f"mask_metrics takes a pdmask.MaskDecision, got {type(decision).__name__}: pass "
+            "mask_metrics(pdmask.decide(method, stats, advantages, response_mask, ...))."
         )
-        if stats is None or advantages is None or response_mask is None:
-            raise TypeError("mask_metrics(method, ...) needs stats, advantages and response_mask.")
-        decision = decide(decision, stats, advantages, response_mask, **thresholds)
-        if keep is not None:  # the caller's mask is the one to measure
-            decision = dataclasses.replace(decision, keep=keep.bool() & decision.response)
     m, stats, adv, mask = decision.method, decision.stats, decision.advantages, decision.response
     if decision.divergence is not None and decision.beyond is not None:
         kind, d, beyond = m.kind, decision.divergence, decision.beyond & mask
