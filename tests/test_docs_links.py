@@ -63,8 +63,8 @@ def links(page: Path) -> list[str]:
 
 
 def test_slug_follows_github():
-    assert slug("6b. Kernel-aware masks (pdmask's extension): `pdm_kernel_{full,topk}_{tv,kl}`") == (
-        "6b-kernel-aware-masks-pdmasks-extension-pdm_kernel_fulltopk_tvkl"
+    assert slug("6b. Backbone-aware masks (pdmask's extension): `pdm_backbone_{full,topk}_{tv,kl}`") == (
+        "6b-backbone-aware-masks-pdmasks-extension-pdm_backbone_fulltopk_tvkl"
     )
     assert slug("Results at scale (TinyGPT 3 December, SmolLM2 4–6 December 2026)") == (
         "results-at-scale-tinygpt-3-december-smollm2-46-december-2026"

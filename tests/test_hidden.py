@@ -11,7 +11,7 @@ from pdmask import RolloutLogprobs, divergence, policy_stats, policy_stats_from_
 from pdmask import reference as ref
 
 SETTINGS = settings(max_examples=30, deadline=None)
-FIELDS = ("logp", "set_logp", "rest_mass", "tail_sq", "sq_norm", "uniform_sums")
+FIELDS = ("logp", "set_logp", "rest_mass", "tail_sq", "sq_norm", "exactpi_sums")
 FULL_FIELDS = ("tv", "kl", "mu_dot_pi", "sign_pi", "sign_pi2")
 
 
@@ -52,8 +52,8 @@ def assert_same_stats(got, want, atol):
 )
 def test_equals_policy_stats_on_the_materialised_logits(n, vocab, d, seed, dtype, bias, t, rows, cols):
     h, w, b, a, rollout = head_case(n, vocab, d, min(vocab, 5), seed=seed, dtype=dtype, bias=bias)
-    got = policy_stats_from_hidden(h, w, a, rollout, bias=b, temperature=t, need_uniform=True, block_rows=rows, block_vocab=cols)
-    want = policy_stats(logits_of(h, w, b, t), a, rollout, need_uniform=True)
+    got = policy_stats_from_hidden(h, w, a, rollout, bias=b, temperature=t, need_exactpi=True, block_rows=rows, block_vocab=cols)
+    want = policy_stats(logits_of(h, w, b, t), a, rollout, need_exactpi=True)
     assert got.logp.dtype == want.logp.dtype
     assert_same_stats(got, want, 1e-10 if dtype == torch.float64 else 2e-5)
 
@@ -139,10 +139,10 @@ def test_response_mask_padding_and_the_uniform_second_pass():
     ids = rollout.topk_ids.clone()
     ids[2] = ids[2, 0]  # padding may repeat ids
     r = RolloutLogprobs(rollout.logp, ids, rollout.topk_logp)
-    eager = policy_stats_from_hidden(h, w, torch.where(mask.bool(), a, -100), r, bias=b, response_mask=mask, need_uniform=True)
+    eager = policy_stats_from_hidden(h, w, torch.where(mask.bool(), a, -100), r, bias=b, response_mask=mask, need_exactpi=True)
     lazy = policy_stats_from_hidden(h, w, torch.where(mask.bool(), a, -100), r, bias=b, response_mask=mask, block_vocab=7)
     keep = mask.bool()
-    assert lazy.uniform_sums is None
+    assert lazy.exactpi_sums is None
     assert torch.allclose(predicted_change(eager, "tv", "exactpi")[keep], predicted_change(lazy, "tv", "exactpi")[keep])
 
 
@@ -185,7 +185,7 @@ def test_bad_inputs_name_the_argument_and_the_fix():
 def test_bf16_inputs_give_the_statistics_of_their_float32_copies():
     """So a trainer passes its bf16 hidden states and head as they are (no [N, d] and [V, d] float32 copies)."""
     h, w, b, a, rollout = head_case(12, 500, 32, 5, seed=3, dtype=torch.bfloat16)
-    kw = dict(need_uniform=True, block_rows=5, block_vocab=128)
+    kw = dict(need_exactpi=True, block_rows=5, block_vocab=128)
     low = policy_stats_from_hidden(h, w, a, rollout, bias=b, **kw)
     copies = policy_stats_from_hidden(h.float(), w.float(), a, rollout, bias=b.float(), **kw)
     assert low.logp.dtype == torch.float32
@@ -208,7 +208,7 @@ def test_bf16_on_cuda_matches_its_float32_copies_forward_and_backward():
     runs = []
     for dtype in (torch.bfloat16, torch.float32):
         leaves = [cuda(x).to(dtype).requires_grad_(True) for x in (h, w, b)]
-        stats = policy_stats_from_hidden(*leaves[:2], cuda(a), rollout, bias=leaves[2], need_uniform=True, block_rows=16, block_vocab=512)
+        stats = policy_stats_from_hidden(*leaves[:2], cuda(a), rollout, bias=leaves[2], need_exactpi=True, block_rows=16, block_vocab=512)
         (stats.logp * g).sum().backward()
         runs.append((stats, [x.grad.float() for x in leaves]))
     (low, low_grads), (copies, copy_grads) = runs

@@ -55,7 +55,7 @@ def test_sweep_report_and_reuse(tmp_path):
         assert (tmp_path / rel).stat().st_size > 1000
     md = (tmp_path / "report.md").read_text()
     assert "| method |" in md and "Summary" in md and "Did the trust region matter?" in md and "CPU seconds" in md
-    assert "tail masks differ" in md
+    assert "top-K masks differ" in md
     assert setting["questions"]["trust_region"]["best_masked"] == "pdm_proportional_tv"
     assert json.loads((tmp_path / "report.json").read_text())["run"]["runs_analysed"] == 4
     # Every JSON file the lab writes is strict JSON (no NaN/Infinity literals), even with undefined numbers.

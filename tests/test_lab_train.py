@@ -222,12 +222,12 @@ def test_tail_metrics_count_where_the_estimators_masks_differ():
         for e in ("aggregated", "uniform")
     }
     differ = (keep["aggregated"] != keep["uniform"]).double().mean().item()
-    assert differ > 0.05 and out["tail/paper_tails_differ_frac"] == pytest.approx(differ)
-    assert out["tail/masks_differ_frac"] >= out["tail/paper_tails_differ_frac"]
-    assert out["tail/pi_rest_mean"] == pytest.approx(stats.rest_mass.mean().item(), rel=1e-5)
+    assert differ > 0.05 and out["topk/paper_tails_differ_frac"] == pytest.approx(differ)
+    assert out["topk/masks_differ_frac"] >= out["topk/paper_tails_differ_frac"]
+    assert out["topk/pi_rest_mean"] == pytest.approx(stats.rest_mass.mean().item(), rel=1e-5)
     # Padding does not count, and a method without a divergence (pg_is) is measured with TV.
     half = valid.clone()
     half[200:] = False
-    assert tail_metrics(cfg.replace(method="pg_is"), stats, adv, half)["tail/paper_tails_differ_frac"] == pytest.approx(
+    assert tail_metrics(cfg.replace(method="pg_is"), stats, adv, half)["topk/paper_tails_differ_frac"] == pytest.approx(
         (keep["aggregated"] != keep["uniform"])[:200].double().mean().item()
     )

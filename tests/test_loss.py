@@ -55,7 +55,7 @@ def test_aggregation_matches_verl_semantics(agg):
 def test_loss_value_and_gradient_match_the_formula(method):
     z, a, rollout, adv, mask = batch(dtype=torch.float64)
     z = z.requires_grad_(True)
-    # Any W [V, d] defines the kernel-aware direction; the loss's formula does not depend on it.
+    # Any W [V, d] defines the backbone-aware direction; the loss's formula does not depend on it.
     head = torch.randn(V, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) if METHODS[method].needs_head else None
     loss, metrics = policy_loss(method, z, a, rollout, adv, mask, agg="token-mean", head_weight=head)
     loss.backward()

@@ -60,7 +60,7 @@ def test_dppo_drops_but_pdm_keeps_a_positive_token_that_lowers_the_divergence(ki
 def test_no_divergence_method_drops_inside_the_threshold(kind):
     s = position([0.5, 0.3, 0.2], [0.5, 0.29, 0.21], 1)
     for name, m in METHODS.items():
-        if m.kind == kind and not m.needs_head:  # the kernel-aware masks need an LM head (test_kernel.py)
+        if m.kind == kind and not m.needs_head:  # the backbone-aware masks need an LM head (test_backbone.py)
             for sign in (1.0, -1.0):
                 assert trust_region_mask(name, s, torch.tensor([sign])).item() is True, name
 
@@ -125,4 +125,4 @@ def test_registry_entries_are_complete():
     assert METHODS["ppo_clip"].defaults["eps_high"] == 0.28
     assert METHODS["pdm_proportional_tv"].needs == "topk" and METHODS["pdm_full_kl"].needs == "full"
     assert METHODS["pdm_exactpi_kl"].needs == "topk" and METHODS["pdm_exactpi_kl"].needs_sq_norm
-    assert METHODS["pdm_exactpi_tv"].needs_uniform and not METHODS["pdm_exactpi_kl"].needs_uniform
+    assert METHODS["pdm_exactpi_tv"].needs_exactpi and not METHODS["pdm_exactpi_kl"].needs_exactpi

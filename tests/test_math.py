@@ -141,9 +141,9 @@ def test_check2_paper_uniform_is_exact_when_both_tails_are_even(vocab, seed, kin
 def test_uniform_sums_in_the_pass_or_a_second_pass_agree(vocab, seed, dtype):
     z, logmu, a, ids, vals = make_case(5, vocab, min(vocab, 4), seed=seed, dtype=dtype)
     rollout = rollout_of(logmu, a, ids, vals)
-    eager = policy_stats(z, a, rollout, need_uniform=True, chunk_size=2)
+    eager = policy_stats(z, a, rollout, need_exactpi=True, chunk_size=2)
     lazy = policy_stats(z, a, rollout, chunk_size=3)
-    assert eager.uniform_sums is not None and lazy.uniform_sums is None
+    assert eager.exactpi_sums is not None and lazy.exactpi_sums is None
     assert torch.equal(predicted_change(eager, "tv", "exactpi"), predicted_change(lazy, "tv", "exactpi"))
 
 

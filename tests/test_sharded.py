@@ -100,7 +100,7 @@ def _logits_rank(rank: int, world: int, variant: str) -> dict:
     shard = z[..., cols].clone().requires_grad_(True)
     with count_traffic() as traffic:
         stats = policy_stats(shard, a, rollout, tp_group=dist.group.WORLD, vocab_size=vocab, chunk_size=4,
-                             head_weight=w[cols], need_uniform=variant == "eager", response_mask=mask)  # fmt: skip
+                             head_weight=w[cols], need_exactpi=variant == "eager", response_mask=mask)  # fmt: skip
     out = outcomes(stats, adv)
     (stats.logp * g).sum().backward()
     assert torch.equal(shard.detach(), z[..., cols]), "the backward changed the logits"
@@ -166,7 +166,7 @@ def _hidden_rank(rank: int, world: int) -> dict:
     out = {}
     for reduce in (True, False):
         hidden, ws, bs = (x.clone().requires_grad_(True) for x in (h, w[cols], b[cols]))
-        stats = policy_stats_from_hidden(hidden, ws, a, rollout, bias=bs, temperature=0.8, need_kernel=True, block_rows=4,
+        stats = policy_stats_from_hidden(hidden, ws, a, rollout, bias=bs, temperature=0.8, need_backbone=True, block_rows=4,
                                          block_vocab=10, tp_group=dist.group.WORLD, vocab_size=vocab,
                                          reduce_hidden_grad=reduce)  # fmt: skip
         res = outcomes(stats, adv)
@@ -180,7 +180,7 @@ def test_hidden_and_head_shards_give_the_unsharded_statistics_and_gradients(worl
     results = [r["hidden"] for r in results_for(world)]
     vocab, width, _, a, rollout, h, w, b, adv, g = inputs(world)
     hidden, wr, br = (x.clone().requires_grad_(True) for x in (h, w[:vocab], b[:vocab]))
-    stats = policy_stats_from_hidden(hidden, wr, a, rollout, bias=br, temperature=0.8, need_kernel=True)
+    stats = policy_stats_from_hidden(hidden, wr, a, rollout, bias=br, temperature=0.8, need_backbone=True)
     want = outcomes(stats, adv)
     (stats.logp * g).sum().backward()
     pad = world * width - vocab
@@ -240,7 +240,7 @@ def test_bad_input_on_one_rank_fails_every_rank_with_one_error(bad, message):
 
 
 #: The methods stats_from_shard serves (π at S, π_R, ‖π‖² and V), and some it refuses.
-HOST_METHODS = [m for m, x in METHODS.items() if x.needs != "full" and not x.needs_head and not x.needs_uniform]
+HOST_METHODS = [m for m, x in METHODS.items() if x.needs != "full" and not x.needs_head and not x.needs_exactpi]
 
 
 def _host_rank(rank: int, world: int) -> dict:
@@ -303,7 +303,7 @@ def test_a_padded_vocabulary_on_one_rank_gives_the_real_vocabulary_statistics():
     vocab, width, z, a, rollout, h, w, b, adv, _ = inputs(2)
     want = outcomes(policy_stats(z[..., :vocab], a, rollout, head_weight=w[:vocab]), adv)
     assert_same(outcomes(policy_stats(z, a, rollout, head_weight=w, vocab_size=vocab), adv), want)
-    want = outcomes(policy_stats_from_hidden(h, w[:vocab], a, rollout, bias=b[:vocab], need_kernel=True), adv)
-    assert_same(outcomes(policy_stats_from_hidden(h, w, a, rollout, bias=b, need_kernel=True, vocab_size=vocab), adv), want)
+    want = outcomes(policy_stats_from_hidden(h, w[:vocab], a, rollout, bias=b[:vocab], need_backbone=True), adv)
+    assert_same(outcomes(policy_stats_from_hidden(h, w, a, rollout, bias=b, need_backbone=True, vocab_size=vocab), adv), want)
     with pytest.raises(ValueError, match="tokens contains id 95, outside the vocabulary"):
         policy_stats(z, torch.full_like(a, 95), rollout, vocab_size=vocab)

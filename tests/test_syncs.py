@@ -70,16 +70,16 @@ def test_the_checks_read_their_verdicts_back_once_per_stage():
 
 def test_unvalidated_statistics_equal_the_validated_ones():
     z, a, rollout, adv, mask = batch()
-    assert count(lambda: policy_stats(z, a, rollout, response_mask=mask, need_uniform=True, validate=False))[0] == 0
-    checked = policy_stats(z, a, rollout, response_mask=mask, need_uniform=True)
-    unchecked = policy_stats(z, a, rollout, response_mask=mask, need_uniform=True, validate=False)
-    for name in ("logp", "set_logp", "rest_mass", "tail_sq", "sq_norm", "uniform_sums"):
+    assert count(lambda: policy_stats(z, a, rollout, response_mask=mask, need_exactpi=True, validate=False))[0] == 0
+    checked = policy_stats(z, a, rollout, response_mask=mask, need_exactpi=True)
+    unchecked = policy_stats(z, a, rollout, response_mask=mask, need_exactpi=True, validate=False)
+    for name in ("logp", "set_logp", "rest_mass", "tail_sq", "sq_norm", "exactpi_sums"):
         assert torch.equal(getattr(checked, name), getattr(unchecked, name)), name
 
 
 def test_the_decision_and_loss_path_compiles_without_graph_breaks():
     z, a, rollout, adv, mask = batch()
-    stats = policy_stats(z, a, rollout, response_mask=mask, need_uniform=True, validate=False)
+    stats = policy_stats(z, a, rollout, response_mask=mask, need_exactpi=True, validate=False)
 
     def step(stats, adv, mask):
         decision = decide("pdm_exactpi_tv", stats, adv, mask, validate=False)

@@ -20,7 +20,7 @@ from conftest import make_case, rollout_of
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install 'pdmask[gpu]')")
 
-FIELDS = ("logp", "set_logp", "rest_mass", "tail_sq", "sq_norm", "uniform_sums")
+FIELDS = ("logp", "set_logp", "rest_mass", "tail_sq", "sq_norm", "exactpi_sums")
 TOPK_ESTIMATORS = ("aggregated", "uniform", "proportional", "exactpi")
 
 
@@ -56,7 +56,7 @@ def test_fused_statistics_and_gradient_equal_the_torch_pass(fused, dtype, vocab)
     weights = torch.linspace(-2, 3, a.numel())
 
     def run():
-        stats = policy_stats(z, a, rollout, need_uniform=True)
+        stats = policy_stats(z, a, rollout, need_exactpi=True)
         (grad,) = torch.autograd.grad((weights * stats.logp).sum(), z)
         return stats, grad
 
@@ -147,7 +147,7 @@ def test_compiled_kernels_on_cuda_equal_the_torch_pass(monkeypatch, dtype):
     weights = torch.linspace(-2, 3, a.numel(), device="cuda")
 
     def run():
-        stats = policy_stats(z, a, rollout, need_uniform=True)
+        stats = policy_stats(z, a, rollout, need_exactpi=True)
         (grad,) = torch.autograd.grad((weights * stats.logp).sum(), z)
         return stats, grad
 

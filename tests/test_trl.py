@@ -270,7 +270,7 @@ def test_ppo_clip_is_grpos_loss(tmp_path) -> None:
     "mask_method",
     [
         "pdm_proportional_tv", "pdm_aggregated_kl", "pdm_uniform_kl", "pdm_exactpi_tv", "pdm_exactpi_kl",
-        "dppo_topk_kl", "pdm_full_kl", "dppo_binary_tv", "pg_is", "pdm_kernel_topk_kl", "pdm_kernel_full_tv",
+        "dppo_topk_kl", "pdm_full_kl", "dppo_binary_tv", "pg_is", "pdm_backbone_topk_kl", "pdm_backbone_full_tv",
     ],  # fmt: skip
 )
 def test_gradient_is_pdmask_surrogate(tmp_path, mask_method: str) -> None:

@@ -20,7 +20,7 @@ from pdmask.sharded import stats_from_shard
 from pdmask.tools.gloo import run_gloo
 
 N, K = 13, 5
-HOST_METHODS = [m for m, x in METHODS.items() if x.needs == "topk" and not x.needs_head and not x.needs_uniform]
+HOST_METHODS = [m for m, x in METHODS.items() if x.needs == "topk" and not x.needs_head and not x.needs_exactpi]
 
 
 def verl_tensor_parallel():

@@ -53,7 +53,7 @@ def test_engine_loss_and_mask_equal_pdmask(engines, rollout_batch, monkeypatch, 
     ref, _ = pdmask.policy_loss(method, logits, batch["responses"], rollout, batch["advantages"], mask, **thresholds)
     torch.testing.assert_close(torch.tensor(sum(out["loss"])), ref, rtol=1e-5, atol=1e-6)
 
-    ref_stats = pdmask.policy_stats(logits, batch["responses"], rollout, response_mask=mask, need_uniform=True)
+    ref_stats = pdmask.policy_stats(logits, batch["responses"], rollout, response_mask=mask, need_exactpi=True)
     ref_keep = pdmask.trust_region_mask(method, ref_stats, batch["advantages"], mask, **thresholds)
     keep = torch.cat([pdmask.trust_region_mask(method, s, a, m, **thresholds) for s, a, m in seen])
     assert torch.equal(keep, ref_keep)

@@ -38,17 +38,17 @@ def test_import_verl_registers_the_losses():
     assert {"pdm_proportional_tv", "pdm_aggregated_kl", "pdm_uniform_tv", "dppo_topk_kl"} <= set(TOPK_METHODS)
 
 
-def test_kernel_aware_modes_say_why_verl_cannot_run_them(binary_batch):
+def test_backbone_aware_modes_say_why_verl_cannot_run_them(binary_batch):
     from verl.workers.config import PolicyLossConfig
 
     from pdmask.integrations.verl import PDMLoss
 
     assert set(HEAD_METHODS) == {n for n, m in pdmask.METHODS.items() if m.needs_head} and not set(HEAD_METHODS) & set(TOPK_METHODS)
     with pytest.raises(ValueError, match="hidden states and the LM head"):
-        PDMLoss(actor_config(policy_loss=PolicyLossConfig(loss_mode="pdmask_pdm_kernel_topk_kl")))
+        PDMLoss(actor_config(policy_loss=PolicyLossConfig(loss_mode="pdmask_pdm_backbone_topk_kl")))
     old, new, adv, mask = binary_batch
     with pytest.raises(ValueError, match="hidden states and the LM head"):
-        get_policy_loss_fn("pdmask_pdm_kernel_topk_kl")(old, new, adv, mask, "token-mean", actor_config(), None)
+        get_policy_loss_fn("pdmask_pdm_backbone_topk_kl")(old, new, adv, mask, "token-mean", actor_config(), None)
 
 
 def test_a_name_of_no_release_is_no_loss_mode():

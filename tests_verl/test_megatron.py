@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, tp: int, cp: int, store: str, path: str, data
         logits = table[batch["input_ids"][:, p_len - 1 : -1]] / TAU
         rollout = pdmask.RolloutLogprobs(batch["rollout_log_probs"], batch["rollout_topk_ids"], batch["rollout_topk_log_probs"])
         thresholds = {"delta_low": DELTA, "delta_high": DELTA, "ratio_cap": 3.0}
-        want = pdmask.policy_stats(logits, batch["responses"], rollout, response_mask=batch["response_mask"], need_uniform=True)
+        want = pdmask.policy_stats(logits, batch["responses"], rollout, response_mask=batch["response_mask"], need_exactpi=True)
         keep = pdmask.trust_region_mask(method, stats, adv, mask, **thresholds)
         want_keep = pdmask.trust_region_mask(method, want, batch["advantages"], batch["response_mask"], **thresholds)
         assert torch.equal(keep, want_keep), f"rank {rank}: masks differ (tp = {tp}, cp = {cp}, {data_format})"

@@ -21,7 +21,7 @@ def _off_set(cols, ids_row, C: tl.constexpr):
 @triton.jit
 def stats_kernel(
     z_ptr, row_stride, ids_ptr, u_ptr, out_ptr, n, V,
-    C: tl.constexpr, BLOCK: tl.constexpr, NEED_SQ: tl.constexpr, NEED_UNIFORM: tl.constexpr,
+    C: tl.constexpr, BLOCK: tl.constexpr, NEED_SQ: tl.constexpr, NEED_EXACTPI: tl.constexpr,
 ):
     """out[:, row] = (lse, π_R, Q, Σ_{j∉S} s_j π_j, Σ_{j∉S} s_j π_j²) of one row: one read of the logits for the
     first three (online log-sum-exp with the tail sums rescaled alike), a second for the last two."""
@@ -53,7 +53,7 @@ def stats_kernel(
     tl.store(out_ptr + 2 * n + row, tail_sq / (total * total))  # 0 unless NEED_SQ
     sign_pi = zero
     sign_pi2 = zero
-    if NEED_UNIFORM:
+    if NEED_EXACTPI:
         u = tl.load(u_ptr + row)
         for start in range(0, V, BLOCK):
             cols = start + lanes

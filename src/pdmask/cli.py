@@ -15,7 +15,7 @@ COMMANDS: dict[str, str] = {
     "analyze": "pdmask.analysis.cli",
     "bench": "pdmask.tools.bench",
     "demo": "pdmask.tools.demo",
-    "kernel-scale": "pdmask.tools.kernel_scale",
+    "backbone-scale": "pdmask.tools.backbone_scale",
 }
 
 

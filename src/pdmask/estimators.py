@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pdmask.backbone import BACKBONE_ESTIMATORS, backbone_change
 from pdmask.exact import KINDS
-from pdmask.kernel import KERNEL_ESTIMATORS, kernel_change
 from pdmask.stats import FullReductions, PolicyStats
 
 INFOS = ("binary", "topk", "full")
@@ -20,10 +20,10 @@ PAPER_TOPK_ESTIMATORS = ("aggregated", "uniform")
 #: The paper's estimators of G: the exact ``full`` and its two top-K tails.
 PAPER_ESTIMATORS = ("full", *PAPER_TOPK_ESTIMATORS)
 #: The predictive estimators of G: the paper's, pdmask's two refinements (``proportional``, ``exactpi``),
-#: then pdmask's kernel-aware direction G_W (``pdmask.kernel``), with a full or a top-K μ.
-ESTIMATORS = (*PAPER_ESTIMATORS, "proportional", "exactpi", *KERNEL_ESTIMATORS)
+#: then pdmask's backbone-aware direction G_W (``pdmask.backbone``), with a full or a top-K μ.
+ESTIMATORS = (*PAPER_ESTIMATORS, "proportional", "exactpi", *BACKBONE_ESTIMATORS)
 #: The estimators whose G needs μ over the whole vocabulary.
-FULL_ESTIMATORS = ("full", "kernel_full")
+FULL_ESTIMATORS = ("full", "backbone_full")
 #: The estimators that need the exact ‖π‖² (one more reduction over the vocabulary in the pass).
 SQ_NORM_ESTIMATORS = ("full", "proportional", "exactpi")
 
@@ -57,13 +57,13 @@ def predicted_change(stats: PolicyStats, kind: str, estimator: str) -> Tensor:
     the paper's ``aggregated`` (aggregated-tail) applies the forms to the K+1 categories S ∪ {R}; the
     paper's ``uniform`` (uniform-tail) spreads both tails evenly, π_j = π_R/T and μ_j = μ_R/T off S;
     pdmask's ``proportional`` keeps the exact ‖π‖² and takes μ's tail proportional to π's; pdmask's
-    ``exactpi`` keeps π exact and spreads only μ's tail evenly (μ_j = μ_R/T). ``kernel_full`` and
-    ``kernel_topk`` return the kernel-aware G_W instead (``pdmask.kernel.kernel_change``).
+    ``exactpi`` keeps π exact and spreads only μ's tail evenly (μ_j = μ_R/T). ``backbone_full`` and
+    ``backbone_topk`` return the backbone-aware G_W instead (``pdmask.backbone.backbone_change``).
     """
     _check_choice("kind", kind, KINDS)
     _check_choice("estimator", estimator, ESTIMATORS)
-    if estimator in KERNEL_ESTIMATORS:
-        return kernel_change(stats, kind, estimator)
+    if estimator in BACKBONE_ESTIMATORS:
+        return backbone_change(stats, kind, estimator)
     pi_a, mu_a = stats.pi_a, stats.mu_a
     if estimator == "full":
         full = _require_full(stats)
@@ -110,7 +110,7 @@ def _tail_dot(stats: PolicyStats, b: _Buckets, estimator: str) -> Tensor:
 def _tail_sign_sums(stats: PolicyStats, b: _Buckets, estimator: str) -> tuple[Tensor, Tensor]:
     """The tail's shares of Σ s_i π_i and Σ s_i π_i² under each estimator's picture of π and μ off S."""
     if estimator == "exactpi":
-        sums = stats.uniform_tail_sums()
+        sums = stats.exactpi_tail_sums()
         return sums[0], sums[1]
     s_r = torch.sign(b.pi_r - b.mu_r)  # one sign for the whole tail
     if estimator == "aggregated":

@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import PolicyStats, assemble
-from pdmask.vocab_pass import Accumulators, Block, Buffers, Prepared, prepare, row_slices, shifted_sums, uniform_pass
+from pdmask.vocab_pass import Accumulators, Block, Buffers, Prepared, exactpi_pass, prepare, row_slices, shifted_sums
 
 #: Default block of logits: rows × vocabulary ids (8 MiB of float32) ...
 BLOCK_ROWS = 1024
@@ -37,9 +37,9 @@ def policy_stats_from_hidden(
     bias: Tensor | None = None,
     temperature: float = 1.0,
     need_sq_norm: bool = True,
-    need_uniform: bool = False,
+    need_exactpi: bool = False,
     response_mask: Tensor | None = None,
-    need_kernel: bool = False,
+    need_backbone: bool = False,
     block_rows: int | None = None,
     block_vocab: int | None = None,
     validate: bool = True,
@@ -52,10 +52,10 @@ def policy_stats_from_hidden(
     Args:
         hidden: [..., d] hidden states (packed [N, d] or [B, T, d]), any float dtype.
         weight: [V, d] LM head, the hidden states' dtype and device; bias: [V] or None.
-        tokens, rollout, need_sq_norm, need_uniform, response_mask: as for ``policy_stats``.
+        tokens, rollout, need_sq_norm, need_exactpi, response_mask: as for ``policy_stats``.
         temperature: the sampling temperature the logits are divided by (> 0).
-        need_kernel: also sum Wᵀπ (and with a full μ, Wᵀμ and Σ sign(π − μ)·π·w) for the kernel-aware
-            ``pdm_kernel_*`` masks: one more [rows, cols] × [cols, d] product per block.
+        need_backbone: also sum Wᵀπ (and with a full μ, Wᵀμ and Σ sign(π − μ)·π·w) for the backbone-aware
+            ``pdm_backbone_*`` masks: one more [rows, cols] × [cols, d] product per block.
         block_rows, block_vocab: the block of logits made at once (default 1024 × 2048; 4096 × 16384 on CUDA).
         validate: as for ``policy_stats`` (``False``: shapes only, no host-device sync).
         tp_group, vocab_size: as for ``policy_stats``; ``weight`` (and ``bias``) are then this rank's rows
@@ -78,32 +78,32 @@ def policy_stats_from_hidden(
         return sharded_policy_stats_from_hidden(
             hidden, weight, tokens, rollout, tp_group=tp_group, vocab_size=vocab_size,
             reduce_hidden_grad=reduce_hidden_grad, bias=bias, temperature=temperature, need_sq_norm=need_sq_norm,
-            need_uniform=need_uniform, response_mask=response_mask, need_kernel=need_kernel, block_rows=block_rows,
+            need_exactpi=need_exactpi, response_mask=response_mask, need_backbone=need_backbone, block_rows=block_rows,
             block_vocab=block_vocab,
         )
     head = _Head.checked(hidden, weight, bias, temperature, block_rows, block_vocab)
     shape = tuple(hidden.shape[:-1])
     prep = prepare(tokens, rollout, response_mask, shape, weight.shape[0], head.dtype, "hidden states", validate)
     flat = hidden.detach().reshape(-1, hidden.shape[-1])
-    acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head.weight if need_kernel else None)
+    acc = Accumulators.empty(prep, need_sq_norm, need_exactpi, head.weight if need_backbone else None)
     with torch.no_grad():
-        bufs = head.buffers(min(head.rows, max(prep.n, 1)), need_uniform)
+        bufs = head.buffers(min(head.rows, max(prep.n, 1)), need_exactpi)
         for sl in head.row_blocks(prep.n):
             _first_sweep(head, flat[sl], sl, prep, acc, bufs)
-            if acc.full is not None or acc.uniform is not None:
-                # The sums that need the rows' final lse (full-μ reductions, uniform sums), block by block again.
+            if acc.full is not None or acc.exactpi is not None:
+                # The sums that need the rows' final lse (full-μ reductions, exactpi sums), block by block again.
                 acc.add_normalised_blocks(prep, head.blocks(flat, [sl], prep.set_ids, bufs), bufs, prep.full_logp)
     logp = _HiddenLogProb.apply(hidden, weight, bias, acc.set_logp[:, -1], prep.flat_tokens, acc.lse, head)
     if validate:
         acc.check_finite("hidden @ weight.T logits", logp)
     stats = assemble(prep, acc, logp)
-    if stats.uniform_sums is None and stats.has_topk:
+    if stats.exactpi_sums is None and stats.has_topk:
 
         def second_pass() -> Tensor:
             second = head.buffers(min(head.rows, max(prep.n, 1)), True)
-            return uniform_pass(prep, acc, second, head.blocks(flat, head.row_blocks(prep.n), prep.set_ids, second))
+            return exactpi_pass(prep, acc, second, head.blocks(flat, head.row_blocks(prep.n), prep.set_ids, second))
 
-        stats.uniform_pass = second_pass
+        stats.exactpi_pass = second_pass
     return stats
 
 

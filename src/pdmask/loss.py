@@ -132,7 +132,7 @@ def policy_loss(
 
     logits [B, T, V] with tokens, response_mask and advantages [B, T] (advantages may be per sequence
     [B]); or packed logits [N, V] with tokens, response_mask and advantages [N]. ``head_weight``: the LM
-    head W [V, d] the logits came from, needed by the kernel-aware ``pdm_kernel_*`` methods.
+    head W [V, d] the logits came from, needed by the backbone-aware ``pdm_backbone_*`` methods.
     ``validate=False`` skips the value checks of the inputs (for inputs checked once already); with
     ``tensor_metrics=True`` the metrics stay 0-d tensors on the device (``metrics_to_floats`` reads them
     back in one transfer). Both set, the call makes no host-device sync; the defaults make four: the input
@@ -148,7 +148,7 @@ def policy_loss(
         rollout,
         chunk_size=chunk_size,
         need_sq_norm=need_sq,
-        need_uniform=m.needs_uniform,  # in the same pass: a second pass on first use would cost more
+        need_exactpi=m.needs_exactpi,  # in the same pass: a second pass on first use would cost more
         response_mask=response_mask,
         head_weight=head_weight,
         validate=validate,

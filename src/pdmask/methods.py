@@ -10,6 +10,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
+from pdmask.backbone import BACKBONE_ESTIMATORS, require_head
 from pdmask.estimators import (
     ESTIMATORS,
     FULL_ESTIMATORS,
@@ -18,7 +19,6 @@ from pdmask.estimators import (
     divergence,
     predicted_change,
 )
-from pdmask.kernel import KERNEL_ESTIMATORS, require_head
 from pdmask.rollout import Checks, as_bool_mask
 from pdmask.stats import PolicyStats
 
@@ -68,11 +68,11 @@ class MaskMethod:
 
     @property
     def needs_head(self) -> bool:
-        """Whether the statistics must carry the LM head's sums (``head_weight=W`` / ``need_kernel=True``)."""
-        return self.estimator in KERNEL_ESTIMATORS
+        """Whether the statistics must carry the LM head's sums (``head_weight=W`` / ``need_backbone=True``)."""
+        return self.estimator in BACKBONE_ESTIMATORS
 
     @property
-    def needs_uniform(self) -> bool:
+    def needs_exactpi(self) -> bool:
         """Whether the pass should sum the ``exactpi`` estimator's thresholded tail (its TV form)."""
         return self.estimator == "exactpi" and self.kind == "tv"
 
@@ -101,8 +101,8 @@ _ESTIMATOR_WORDS = {
     "uniform": "the paper's uniform-tail G, both tails spread evenly over the ids off TopK ∪ {a}",
     "proportional": "pdmask's refinement: exact ‖π‖², μ's tail taken proportional to π's tail",
     "exactpi": "pdmask's refinement: exact π, μ's unseen tail spread evenly over the ids off TopK ∪ {a}",
-    "kernel_full": "pdmask's kernel-aware G_W = ⟨Wᵀ∇_z D, Wᵀ(e_a − π)⟩ through the LM head W, exact μ",
-    "kernel_topk": "pdmask's kernel-aware G_W through the LM head W, μ's tail proportional to π's",
+    "backbone_full": "pdmask's backbone-aware G_W = ⟨Wᵀ∇_z D, Wᵀ(e_a − π)⟩ through the LM head W, exact μ",
+    "backbone_topk": "pdmask's backbone-aware G_W through the LM head W, μ's tail proportional to π's",
 }
 
 

@@ -89,10 +89,10 @@ def proportional_mu(z: Tensor, mu: Tensor, a: Tensor, topk_ids: Tensor) -> Tenso
     return torch.where(s, mu, pi * torch.where(pi_r > 0, mu_r / pi_r, 0.0))
 
 
-def kernel_change(z: Tensor, mu: Tensor, a: Tensor, weight: Tensor, kind: str) -> Tensor:
+def backbone_change(z: Tensor, mu: Tensor, a: Tensor, weight: Tensor, kind: str) -> Tensor:
     """G_W = ⟨Wᵀ∇_z D(softmax(z), μ), Wᵀ(e_a − π)⟩ by autograd in float64; z, μ [..., V], W [V, d].
 
-    The top-K form (``kernel_topk``) is this against ``proportional_mu``.
+    The top-K form (``backbone_topk``) is this against ``proportional_mu``.
     """
     z = z.detach().double().requires_grad_(True)
     w = weight.detach().double()
@@ -102,7 +102,7 @@ def kernel_change(z: Tensor, mu: Tensor, a: Tensor, weight: Tensor, kind: str) -
     return ((grad @ w) * (u @ w)).sum(-1)
 
 
-def kernel_finite_difference(h: Tensor, weight: Tensor, mu: Tensor, a: Tensor, kind: str, eps: float = 1e-6) -> Tensor:
+def backbone_finite_difference(h: Tensor, weight: Tensor, mu: Tensor, a: Tensor, kind: str, eps: float = 1e-6) -> Tensor:
     """Central difference of D(softmax(W(h + εv)), μ) in ε, v = Wᵀ(e_a − π): the ground truth for G_W
     (the hidden state moved along the token's own gradient ∇_h log π_a); h [..., d], W [V, d]."""
     h, w, mu = h.double(), weight.double(), mu.double()
@@ -156,8 +156,8 @@ __all__ = [
     "binary_divergence",
     "exactpi_change",
     "finite_difference",
-    "kernel_change",
-    "kernel_finite_difference",
+    "backbone_change",
+    "backbone_finite_difference",
     "kl",
     "own_step_change",
     "predicted_change",

@@ -7,14 +7,14 @@ each shard, relative to the shard's own row max m_r, followed by
 
 1. one all-reduce MAX of m_r [N] and one all-reduce SUM of the rescaled partial sums
    (Σ e, Σ_{j∉S} e, Σ_{j∉S} e², the logits at S's ids, 0 on the ranks that do not own them) [N, 3 + C],
-   plus Σ_{j∉S} e_j w_j [N, d] for the kernel-aware masks;
+   plus Σ_{j∉S} e_j w_j [N, d] for the backbone-aware masks;
 2. only for the sums that need the final log-normaliser, one more all-reduce SUM: the full-μ reductions
    [N, 5] (with a sharded full μ), the ``exactpi`` estimator's TV sums [N, 2], and with a full μ the
-   kernel-aware Wᵀμ and Σ sign(π − μ)·π·w [N, 2d].
+   backbone-aware Wᵀμ and Σ sign(π − μ)·π·w [N, 2d].
 
 So a call communicates 4·(C + 4) bytes per position in float32 (C = K + 1; 100 bytes at K = 20), never
-O(V). The kernel-aware masks add 4·d bytes per position in the pass and 4·2d (``kernel_full``) or 4·3d
-(``kernel_topk``) each time G_W is formed (sums of S's rows of W, over the shards). Before any of this,
+O(V). The backbone-aware masks add 4·d bytes per position in the pass and 4·2d (``backbone_full``) or 4·3d
+(``backbone_topk``) each time G_W is formed (sums of S's rows of W, over the shards). Before any of this,
 every rank checks its inputs and the ranks agree on the outcome with one small collective, so a bad
 input on one rank raises the same error on all of them.
 
@@ -43,17 +43,17 @@ from pdmask.vocab_pass import (
     HeadMeans,
     Prepared,
     default_chunk,
+    exactpi_pass,
     prepare,
     set_rows_dot,
     shifted_sums,
-    uniform_pass,
 )
 
 T = TypeVar("T")
 
 #: The methods whose statistics need only π at S, π_R, ‖π‖² and V: what ``stats_from_shard`` (a host that
 #: already has log π(a) and ‖π‖²) can serve. The others need sums over the vocabulary (``policy_stats``).
-HOST_REFUSED_ESTIMATORS = ("full", "kernel_full", "kernel_topk")
+HOST_REFUSED_ESTIMATORS = ("full", "backbone_full", "backbone_topk")
 
 
 @dataclass(frozen=True)
@@ -147,14 +147,14 @@ def agreed(
     if not torch.equal(high, low):
         raise ValueError(
             "the ranks of tp_group were given inputs of different sizes or options (positions, |S|, d, full μ, "
-            "dtype, need_sq_norm, need_uniform, head): every rank must pass the same positions and options."
+            "dtype, need_sq_norm, need_exactpi, head): every rank must pass the same positions and options."
         )
     return out  # type: ignore[return-value]
 
 
-def _signature(prep: Prepared, need_sq_norm: bool, need_uniform: bool, head_dim: int | None, dtype: torch.dtype) -> list[int]:
+def _signature(prep: Prepared, need_sq_norm: bool, need_exactpi: bool, head_dim: int | None, dtype: torch.dtype) -> list[int]:
     return [prep.n, prep.set_ids.shape[1], prep.vocab, int(prep.full_logp is not None), int(need_sq_norm),
-            int(need_uniform), -1 if head_dim is None else head_dim, torch.finfo(dtype).bits]  # fmt: skip
+            int(need_exactpi), -1 if head_dim is None else head_dim, torch.finfo(dtype).bits]  # fmt: skip
 
 
 def _prepare(
@@ -206,9 +206,9 @@ class ShardedHeadMeans(HeadMeans):
 
 
 def _accumulators(
-    prep: Prepared, shard: VocabShard, need_sq_norm: bool, need_uniform: bool, head_weight: Tensor | None
+    prep: Prepared, shard: VocabShard, need_sq_norm: bool, need_exactpi: bool, head_weight: Tensor | None
 ) -> Accumulators:
-    acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head_weight)
+    acc = Accumulators.empty(prep, need_sq_norm, need_exactpi, head_weight)
     if acc.head is not None:
         h = acc.head
         acc.head = ShardedHeadMeans(h.weight, h.tail, h.mu, h.sign_pi, shard)
@@ -261,8 +261,8 @@ class _Partial:
 
 
 def _reduce_normalised(shard: VocabShard, acc: Accumulators) -> None:
-    """Sums the second pass's partial full-μ reductions, uniform sums and head sums over the shards, in one all-reduce."""
-    parts = [x for x in (acc.full, acc.uniform) if x is not None]
+    """Sums the second pass's partial full-μ reductions, exactpi sums and head sums over the shards, in one all-reduce."""
+    parts = [x for x in (acc.full, acc.exactpi) if x is not None]
     if acc.head is not None and acc.head.mu is not None and acc.head.sign_pi is not None:
         parts += [acc.head.mu, acc.head.sign_pi]
     if not parts:
@@ -274,10 +274,10 @@ def _reduce_normalised(shard: VocabShard, acc: Accumulators) -> None:
         offset += x.numel()
 
 
-def _lazy_uniform(stats: PolicyStats, shard: VocabShard, run: Callable[[], Tensor]) -> None:
+def _lazy_exactpi(stats: PolicyStats, shard: VocabShard, run: Callable[[], Tensor]) -> None:
     """The exactpi TV sums by a second pass when first used: a collective, so every rank must ask (the same masks)."""
-    if stats.uniform_sums is None and stats.has_topk:
-        stats.uniform_pass = lambda: shard.all_reduce(run())
+    if stats.exactpi_sums is None and stats.has_topk:
+        stats.exactpi_pass = lambda: shard.all_reduce(run())
 
 
 def sharded_policy_stats(
@@ -289,7 +289,7 @@ def sharded_policy_stats(
     vocab_size: int | None,
     chunk_size: int | None,
     need_sq_norm: bool,
-    need_uniform: bool,
+    need_exactpi: bool,
     response_mask: Tensor | None,
     head_weight: Tensor | None,
 ) -> PolicyStats:
@@ -313,10 +313,10 @@ def sharded_policy_stats(
         return shard, prep, dtype
 
     d = None if not isinstance(head_weight, Tensor) or head_weight.dim() != 2 else head_weight.shape[1]
-    shard, prep, dtype = agreed(tp_group, check, lambda r: _signature(r[1], need_sq_norm, need_uniform, d, r[2]), logits)
-    rows = chunk_size or default_chunk(logits, dtype, 3 if need_uniform else 2)
+    shard, prep, dtype = agreed(tp_group, check, lambda r: _signature(r[1], need_sq_norm, need_exactpi, d, r[2]), logits)
+    rows = chunk_size or default_chunk(logits, dtype, 3 if need_exactpi else 2)
     weight = None if head_weight is None else head_weight.detach()[: shard.real].to(dtype)
-    acc = _accumulators(prep, shard, need_sq_norm, need_uniform, weight)
+    acc = _accumulators(prep, shard, need_sq_norm, need_exactpi, weight)
     source = logits.detach().reshape(-1, shard.width)[:, : shard.real]
     cols = shard.local(prep.set_ids, shard.real)
     size = min(rows, max(prep.n, 1)) * shard.real
@@ -335,7 +335,7 @@ def sharded_policy_stats(
         return bufs
 
     with torch.no_grad():
-        bufs = buffers(need_uniform)
+        bufs = buffers(need_exactpi)
         part = _Partial.empty(acc)
         for sl, z, c, v in blocks(bufs):
             m = z.amax(-1)
@@ -344,7 +344,7 @@ def sharded_policy_stats(
             part.store(sl, m, *sums, set_z, acc.tail_product(bufs, *z.shape, v))
         part.combine(shard, acc)
         acc.check_finite("logits", acc.set_logp[:, -1])  # log π(a), before its autograd node
-        if acc.full is not None or acc.uniform is not None:
+        if acc.full is not None or acc.exactpi is not None:
             acc.add_normalised_blocks(prep, blocks(bufs), bufs, prep.full_logp)
             _reduce_normalised(shard, acc)
     a_cols = shard.local(prep.flat_tokens, -1)
@@ -353,9 +353,9 @@ def sharded_policy_stats(
 
     def second_pass() -> Tensor:
         second = buffers(True)
-        return uniform_pass(prep, acc, second, blocks(second))
+        return exactpi_pass(prep, acc, second, blocks(second))
 
-    _lazy_uniform(stats, shard, second_pass)
+    _lazy_exactpi(stats, shard, second_pass)
     return stats
 
 
@@ -412,9 +412,9 @@ def sharded_policy_stats_from_hidden(
     bias: Tensor | None,
     temperature: float,
     need_sq_norm: bool,
-    need_uniform: bool,
+    need_exactpi: bool,
     response_mask: Tensor | None,
-    need_kernel: bool,
+    need_backbone: bool,
     block_rows: int | None,
     block_vocab: int | None,
 ) -> PolicyStats:
@@ -431,19 +431,19 @@ def sharded_policy_stats_from_hidden(
         prep = _prepare(shard, tokens, rollout, response_mask, tuple(hidden.shape[:-1]), head.dtype, "hidden states")
         return shard, head, prep
 
-    d = hidden.shape[-1] if need_kernel and isinstance(hidden, Tensor) else None
-    shard, head, prep = agreed(tp_group, check, lambda r: _signature(r[2], need_sq_norm, need_uniform, d, r[1].dtype), hidden)
+    d = hidden.shape[-1] if need_backbone and isinstance(hidden, Tensor) else None
+    shard, head, prep = agreed(tp_group, check, lambda r: _signature(r[2], need_sq_norm, need_exactpi, d, r[1].dtype), hidden)
     flat = hidden.detach().reshape(-1, hidden.shape[-1])
-    acc = _accumulators(prep, shard, need_sq_norm, need_uniform, head.weight if need_kernel else None)
+    acc = _accumulators(prep, shard, need_sq_norm, need_exactpi, head.weight if need_backbone else None)
     local_ids = shard.local(prep.set_ids, -1)
     with torch.no_grad():
-        bufs = head.buffers(min(head.rows, max(prep.n, 1)), need_uniform)
+        bufs = head.buffers(min(head.rows, max(prep.n, 1)), need_exactpi)
         part = _Partial.empty(acc)
         for sl in head.row_blocks(prep.n):
             part.store(sl, *sweep_sums(head, flat[sl], local_ids[sl], acc, bufs))
         part.combine(shard, acc)
         acc.check_finite("hidden @ weight.T logits", acc.set_logp[:, -1])
-        if acc.full is not None or acc.uniform is not None:
+        if acc.full is not None or acc.exactpi is not None:
             acc.add_normalised_blocks(prep, head.blocks(flat, head.row_blocks(prep.n), local_ids, bufs), bufs, prep.full_logp)
             _reduce_normalised(shard, acc)
     real = slice(0, shard.real)
@@ -454,9 +454,9 @@ def sharded_policy_stats_from_hidden(
 
     def second_pass() -> Tensor:
         second = head.buffers(min(head.rows, max(prep.n, 1)), True)
-        return uniform_pass(prep, acc, second, head.blocks(flat, head.row_blocks(prep.n), local_ids, second))
+        return exactpi_pass(prep, acc, second, head.blocks(flat, head.row_blocks(prep.n), local_ids, second))
 
-    _lazy_uniform(stats, shard, second_pass)
+    _lazy_exactpi(stats, shard, second_pass)
     return stats
 
 
@@ -505,12 +505,12 @@ def stats_from_shard(
         logp: log π(a) [...], with the trainer's gradient. sq_norm: ‖π‖² [...] (``proportional``, ``exactpi``).
         vocab_size: the real V (default tp·V/tp: no padding); ids of S must lie below it.
         methods: the mask methods the caller will use; raises naming those this mode cannot serve: the ones that
-            sum over the vocabulary (``*_full_*``, ``pdm_kernel_*``, ``pdm_exactpi_tv``): use ``policy_stats``.
+            sum over the vocabulary (``*_full_*``, ``pdm_backbone_*``, ``pdm_exactpi_tv``): use ``policy_stats``.
     """
     from pdmask.methods import get_method
 
     refused = [m for m in (get_method(x) for x in methods)
-               if m.info == "full" or m.estimator in HOST_REFUSED_ESTIMATORS or m.needs_uniform]  # fmt: skip
+               if m.info == "full" or m.estimator in HOST_REFUSED_ESTIMATORS or m.needs_exactpi]  # fmt: skip
     if refused:
         raise ValueError(
             f"stats_from_shard serves the methods that need only π at S, π_R and ‖π‖²; {', '.join(m.name for m in refused)} "

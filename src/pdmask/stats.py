@@ -25,13 +25,13 @@ from pdmask.vocab_pass import (
     Prepared,
     default_chunk,
     even_mu,
+    exactpi_pass,
     logit_blocks,
     prepare,
     rest_of,
     set_columns,
     shifted_sums,
     tail_count,
-    uniform_pass,
 )
 
 
@@ -70,10 +70,10 @@ class PolicyStats:
     full: FullReductions | None = None
     tail_count: Tensor | None = None  # [...] T = V − |S|, the number of distinct ids off S
     #: [2, ...] Σ_{j∉S} s_j π_j and Σ_{j∉S} s_j π_j² with s_j = sign(π_j − u), u = ``even_tail_mu``;
-    #: filled by the pass when asked for, else on first use by ``uniform_pass`` (a second pass).
-    uniform_sums: Tensor | None = None
-    uniform_pass: Callable[[], Tensor] | None = field(default=None, repr=False, compare=False)
-    head: HeadMeans | None = field(default=None, repr=False)  # with the unembedding W (kernel-aware masks)
+    #: filled by the pass when asked for, else on first use by ``exactpi_pass`` (a second pass).
+    exactpi_sums: Tensor | None = None
+    exactpi_pass: Callable[[], Tensor] | None = field(default=None, repr=False, compare=False)
+    head: HeadMeans | None = field(default=None, repr=False)  # with the unembedding W (backbone-aware masks)
 
     @property
     def pi_a(self) -> Tensor:
@@ -112,16 +112,16 @@ class PolicyStats:
             raise ValueError("the exactpi estimator needs the vocabulary size: pass stats_from_set(..., vocab_size=V).")
         return even_mu(self.set_mu, self.tail_count)
 
-    def uniform_tail_sums(self) -> Tensor:
+    def exactpi_tail_sums(self) -> Tensor:
         """[2, ...] Σ_{j∉S} sign(π_j − u)·π_j and ·π_j², computed by a second pass when the first did not."""
-        if self.uniform_sums is None:
-            if self.uniform_pass is None:
+        if self.exactpi_sums is None:
+            if self.exactpi_pass is None:
                 raise ValueError(
                     "the exactpi estimator's TV needs sums over the vocabulary off S, which stats_from_set cannot "
                     "give: compute the statistics with pdmask.policy_stats or pdmask.policy_stats_from_hidden."
                 )
-            self.uniform_sums = self.uniform_pass()
-        return self.uniform_sums
+            self.exactpi_sums = self.exactpi_pass()
+        return self.exactpi_sums
 
 
 def policy_stats(
@@ -131,7 +131,7 @@ def policy_stats(
     *,
     chunk_size: int | None = None,
     need_sq_norm: bool = True,
-    need_uniform: bool = False,
+    need_exactpi: bool = False,
     response_mask: Tensor | None = None,
     head_weight: Tensor | None = None,
     validate: bool = True,
@@ -149,12 +149,12 @@ def policy_stats(
             ``CUDA_CHUNK_FRACTION``, up to 2 GiB). CUDA logits take the fused Triton kernels when Triton
             imports (``pdmask.triton_pass``), which need no chunks.
         need_sq_norm: compute ‖π‖² = Σ exp(2·log π) (needed by the ``proportional``, ``exactpi`` and ``full`` estimators).
-        need_uniform: also sum sign(π_j − u)·π_j and ·π_j² off S in this pass (the ``exactpi`` estimator's
+        need_exactpi: also sum sign(π_j − u)·π_j and ·π_j² off S in this pass (the ``exactpi`` estimator's
             TV); otherwise a second pass over the retained logits computes them if they are ever used.
         response_mask: [...] 0/1; positions outside it may hold any padding in ``tokens`` and ``rollout``
             (they are replaced by a neutral token before validation; their statistics are meaningless).
         head_weight: the LM head W [V, d] the logits came from (logits = (h Wᵀ + b)/T); given, the pass
-            also sums Wᵀπ (and Wᵀμ, Σ sign(π − μ)·π·w with a full μ) for the kernel-aware ``pdm_kernel_*`` masks.
+            also sums Wᵀπ (and Wᵀμ, Σ sign(π − μ)·π·w with a full μ) for the backbone-aware ``pdm_backbone_*`` masks.
         validate: check the values of tokens, rollout and response_mask and the finiteness of the logits
             (each check reads a value back from the device); ``False`` checks shapes only, for a caller who
             validated the same inputs once: no host-device sync.
@@ -170,7 +170,7 @@ def policy_stats(
 
         return sharded_policy_stats(
             logits, tokens, rollout, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size,
-            need_sq_norm=need_sq_norm, need_uniform=need_uniform, response_mask=response_mask, head_weight=head_weight,
+            need_sq_norm=need_sq_norm, need_exactpi=need_exactpi, response_mask=response_mask, head_weight=head_weight,
         )
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V].")
@@ -180,37 +180,37 @@ def policy_stats(
     prep = prepare(tokens, rollout, response_mask, tuple(logits.shape[:-1]), logits.shape[-1], dtype, "logits", validate)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
-    rows = chunk_size or default_chunk(logits, dtype, 3 if need_uniform else 2)
+    rows = chunk_size or default_chunk(logits, dtype, 3 if need_exactpi else 2)
     check_head_weight(head_weight, logits.shape[-1], logits.device)
     source = logits.detach()
     if use_fused(logits, prep, head_weight):
-        acc, logp = fused_logits_pass(logits, prep, need_sq_norm, need_uniform)
+        acc, logp = fused_logits_pass(logits, prep, need_sq_norm, need_exactpi)
     else:
-        acc, logp = _chunked_pass(logits, prep, rows, dtype, need_sq_norm, need_uniform, head_weight)
+        acc, logp = _chunked_pass(logits, prep, rows, dtype, need_sq_norm, need_exactpi, head_weight)
     if validate:
         acc.check_finite("logits", logp)
     stats = assemble(prep, acc, logp)
-    if stats.uniform_sums is None and stats.has_topk:
+    if stats.exactpi_sums is None and stats.has_topk:
 
         def second_pass() -> Tensor:
             second = Buffers.empty(min(rows, prep.n) * prep.vocab, dtype, source.device, True)
-            return uniform_pass(prep, acc, second, logit_blocks(source, rows, prep.set_ids, second))
+            return exactpi_pass(prep, acc, second, logit_blocks(source, rows, prep.set_ids, second))
 
-        stats.uniform_pass = second_pass
+        stats.exactpi_pass = second_pass
     return stats
 
 
 def _chunked_pass(
-    logits: Tensor, prep: Prepared, rows: int, dtype: torch.dtype, need_sq_norm: bool, need_uniform: bool,
+    logits: Tensor, prep: Prepared, rows: int, dtype: torch.dtype, need_sq_norm: bool, need_exactpi: bool,
     head_weight: Tensor | None,
 ) -> tuple[Accumulators, Tensor]:
     """(accumulators, log π(a) [n] with its gradient) of [..., V] logits by chunks of ``rows`` positions in torch."""
     if head_weight is not None:  # cast once: every chunk spans the whole vocabulary
         head_weight = head_weight.detach().to(dtype)
-    acc = Accumulators.empty(prep, need_sq_norm, need_uniform, head_weight)
+    acc = Accumulators.empty(prep, need_sq_norm, need_exactpi, head_weight)
     flat_u = prep.flat_even_mu
     with torch.no_grad():
-        bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, dtype, logits.device, need_uniform)
+        bufs = Buffers.empty(min(rows, prep.n) * prep.vocab, dtype, logits.device, need_exactpi)
         for sl, z, set_cols, _ in logit_blocks(logits.detach(), rows, prep.set_ids, bufs):
             m = z.amax(-1)
             sums = shifted_sums(z, m, set_cols, bufs, acc.tail_sq is not None)
@@ -281,7 +281,7 @@ def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
         set_valid=prep.set_valid,
         rest_mass=acc.rest.reshape(shape),
         tail_count=prep.tail_count,
-        uniform_sums=None if acc.uniform is None else acc.uniform.reshape((2,) + shape),
+        exactpi_sums=None if acc.exactpi is None else acc.exactpi.reshape((2,) + shape),
     )
     if acc.tail_sq is not None:
         stats.tail_sq = acc.tail_sq.reshape(shape)

@@ -63,15 +63,15 @@ def _as_rows(logits: Tensor) -> Tensor | None:
         return None
 
 
-def fused_logits_pass(logits: Tensor, prep: Prepared, need_sq_norm: bool, need_uniform: bool) -> tuple[Accumulators, Tensor]:
+def fused_logits_pass(logits: Tensor, prep: Prepared, need_sq_norm: bool, need_exactpi: bool) -> tuple[Accumulators, Tensor]:
     """(accumulators, log π(a) [n] with its gradient) of [..., V] logits by the fused kernels."""
     rows = _as_rows(logits)
     assert rows is not None
-    need_uniform = need_uniform and prep.rollout.topk_ids is not None
-    sums = torch.ops.pdmask.logits_stats(rows.detach(), prep.set_ids, prep.flat_even_mu.float(), need_sq_norm, need_uniform)
-    lse, rest, tail_sq, uniform = sums[0], sums[1], sums[2], sums[3:]
+    need_exactpi = need_exactpi and prep.rollout.topk_ids is not None
+    sums = torch.ops.pdmask.logits_stats(rows.detach(), prep.set_ids, prep.flat_even_mu.float(), need_sq_norm, need_exactpi)
+    lse, rest, tail_sq, exactpi = sums[0], sums[1], sums[2], sums[3:]
     set_logp = rows.detach().gather(-1, prep.set_ids).float() - lse[:, None]
-    acc = Accumulators(lse, set_logp, rest, tail_sq if need_sq_norm else None, None, uniform if need_uniform else None)
+    acc = Accumulators(lse, set_logp, rest, tail_sq if need_sq_norm else None, None, exactpi if need_exactpi else None)
     return acc, torch.ops.pdmask.gather_logprob(rows, prep.flat_tokens, lse)
 
 
@@ -85,10 +85,10 @@ def _block(vocab: int, device: torch.device) -> int:
 
 @torch.library.custom_op("pdmask::logits_stats", mutates_args=())
 def logits_stats(
-    logits: Tensor, set_ids: Tensor, even_mu: Tensor, need_sq: bool, need_uniform: bool
+    logits: Tensor, set_ids: Tensor, even_mu: Tensor, need_sq: bool, need_exactpi: bool
 ) -> Tensor:
     """[5, n] = (lse, π_R, Q, then the exactpi sums Σ_{j∉S} s_j π_j, Σ_{j∉S} s_j π_j²) of logits [n, V] (unit
-    stride along V) with S's ids [n, C] and u = μ_R/T [n]; Q is 0 unless ``need_sq``, the sums unless ``need_uniform``."""
+    stride along V) with S's ids [n, C] and u = μ_R/T [n]; Q is 0 unless ``need_sq``, the sums unless ``need_exactpi``."""
     from pdmask._triton_kernels import stats_kernel
 
     n, vocab = logits.shape
@@ -96,13 +96,13 @@ def logits_stats(
     if n:
         stats_kernel[(n,)](
             logits, logits.stride(0), set_ids.contiguous(), even_mu.contiguous(), out, n, vocab,
-            C=set_ids.shape[1], BLOCK=_block(vocab, logits.device), NEED_SQ=need_sq, NEED_UNIFORM=need_uniform,
+            C=set_ids.shape[1], BLOCK=_block(vocab, logits.device), NEED_SQ=need_sq, NEED_EXACTPI=need_exactpi,
         )
     return out
 
 
 @logits_stats.register_fake
-def _(logits, set_ids, even_mu, need_sq, need_uniform):
+def _(logits, set_ids, even_mu, need_sq, need_exactpi):
     return logits.new_empty(5, logits.shape[0], dtype=torch.float32)
 
 

@@ -150,7 +150,7 @@ class Buffers:
 
 @dataclass
 class HeadMeans:
-    """Sums over the unembedding's rows w_j for the kernel-aware direction (``pdmask.kernel``): flat [n, d]
+    """Sums over the unembedding's rows w_j for the backbone-aware direction (``pdmask.backbone``): flat [n, d]
     in a pass, [..., d] in ``PolicyStats.head``."""
 
     weight: Tensor  # W [V, d] (detached), the LM head: logits = (h Wᵀ + b) / temperature
@@ -177,11 +177,11 @@ class Accumulators:
     rest: Tensor
     tail_sq: Tensor | None
     full: Tensor | None  # [5, n]
-    uniform: Tensor | None  # [2, n]
+    exactpi: Tensor | None  # [2, n]
     head: HeadMeans | None = None
 
     @staticmethod
-    def empty(prep: Prepared, need_sq_norm: bool, need_uniform: bool, head_weight: Tensor | None = None) -> Accumulators:
+    def empty(prep: Prepared, need_sq_norm: bool, need_exactpi: bool, head_weight: Tensor | None = None) -> Accumulators:
         def zeros(*size: int) -> Tensor:
             return torch.zeros(*size, dtype=prep.set_mu.dtype, device=prep.tokens.device)
 
@@ -193,7 +193,7 @@ class Accumulators:
         return Accumulators(
             zeros(prep.n), zeros(*prep.set_ids.shape), zeros(prep.n), zeros(prep.n) if need_sq_norm else None,
             None if prep.full_logp is None else zeros(5, prep.n),
-            zeros(2, prep.n) if need_uniform and prep.rollout.topk_ids is not None else None,
+            zeros(2, prep.n) if need_exactpi and prep.rollout.topk_ids is not None else None,
             head,
         )
 
@@ -221,21 +221,21 @@ class Accumulators:
         self, sl: slice, z: Tensor, bufs: Buffers, set_cols: Tensor, flat_u: Tensor, full_logp: Tensor | None,
         vocab: slice = slice(None),
     ) -> None:
-        """Adds one block's full-μ reductions and uniform sums (those asked for); the block z [r, c] holds
+        """Adds one block's full-μ reductions and exactpi sums (those asked for); the block z [r, c] holds
         rows ``sl`` and vocabulary ids ``vocab``, the rows' lse is final."""
-        u = None if self.uniform is None else flat_u[sl]
+        u = None if self.exactpi is None else flat_u[sl]
         logq = None if self.full is None or full_logp is None else full_logp[sl, vocab]
         if u is None and logq is None:
             return
         rows = None if self.head is None or logq is None else self.head.block(vocab, z.dtype)
-        full, uniform, head = normalised_sums(z, self.lse[sl], set_cols, bufs, u, logq, rows)
+        full, exactpi, head = normalised_sums(z, self.lse[sl], set_cols, bufs, u, logq, rows)
         if full is not None and self.full is not None:
             self.full[:, sl] += full
         if head is not None and self.head is not None and self.head.mu is not None and self.head.sign_pi is not None:
             self.head.mu[sl] += head[0]
             self.head.sign_pi[sl] += head[1]
-        if uniform is not None and self.uniform is not None:
-            self.uniform[:, sl] += uniform
+        if exactpi is not None and self.exactpi is not None:
+            self.exactpi[:, sl] += exactpi
 
     def add_normalised_blocks(self, prep: Prepared, blocks: Iterable[Block], bufs: Buffers, full_logp: Tensor | None) -> None:
         """``add_normalised`` for each of ``blocks`` (made in ``bufs``), whose rows' lse is final."""
@@ -290,14 +290,14 @@ def normalised_sums(
     return full, torch.stack([sp.sum(-1), torch.linalg.vecdot(sp, p)]), head
 
 
-def uniform_pass(prep: Prepared, acc: Accumulators, bufs: Buffers, blocks: Iterable[Block]) -> Tensor:
+def exactpi_pass(prep: Prepared, acc: Accumulators, bufs: Buffers, blocks: Iterable[Block]) -> Tensor:
     """[2, ...] the exactpi estimator's sums by a second pass over ``blocks`` (made in ``bufs``, which has
     signs), for a first pass that did not ask for them; ``acc`` holds that pass's final lse."""
-    only = replace(acc, full=None, uniform=torch.zeros(2, prep.n, dtype=acc.lse.dtype, device=acc.lse.device))
+    only = replace(acc, full=None, exactpi=torch.zeros(2, prep.n, dtype=acc.lse.dtype, device=acc.lse.device))
     with torch.no_grad():
         only.add_normalised_blocks(prep, blocks, bufs, None)
-    assert only.uniform is not None
-    return only.uniform.reshape((2,) + prep.shape)
+    assert only.exactpi is not None
+    return only.exactpi.reshape((2,) + prep.shape)
 
 
 def _full_reductions(
@@ -427,5 +427,5 @@ __all__ = [
     "set_rows_dot",
     "shifted_sums",
     "tail_count",
-    "uniform_pass",
+    "exactpi_pass",
 ]

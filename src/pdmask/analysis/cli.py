@@ -166,7 +166,7 @@ def agreement_table(summary: dict, kind: str):
 
 
 def tracking_table(summary: dict):
-    """How the top-K estimators track their full-information versions (kernel_topk: kernel_full), per divergence."""
+    """How the top-K estimators track their full-information versions (backbone_topk: backbone_full), per divergence."""
     from rich.table import Table
 
     table = Table(title="Top-K estimators against the full one (all analysed tokens)", title_justify="left")

@@ -61,7 +61,7 @@ def write_plots(out_dir: Path, summary: dict) -> None:
         for col, tname in enumerate(("own_sgd", "own_adam")):
             ax = axes[row, col]
             per_signal = summary["agreement"][kind][tname]
-            for sname in ("ratio", "pdm_full", "pdm_proportional@20", "pdm_kernel_full"):
+            for sname in ("ratio", "pdm_full", "pdm_proportional@20", "pdm_backbone_full"):
                 if sname not in per_signal:
                     continue
                 cells = [per_signal[sname]["by_pi_a"][lab] for lab in labels]

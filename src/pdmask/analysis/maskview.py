@@ -31,7 +31,7 @@ def mask_decisions(stats: PolicyStats, advantages: Tensor, delta: Mapping[str, f
     """Per direction method: "beyond" (its own D estimate > δ, never where A = 0) and "keep" (its mask), bool [...].
 
     ``stats`` must carry every method's information (top-K and full μ, and the LM head's sums for the
-    kernel-aware masks: ``policy_stats(..., head_weight=W)``); ``delta`` maps kind -> δ (both sides).
+    backbone-aware masks: ``policy_stats(..., head_weight=W)``); ``delta`` maps kind -> δ (both sides).
     """
     out = {}
     for m in direction_methods():

@@ -61,9 +61,9 @@ def verdict(summary: dict) -> list[str]:
             else:
                 call = "the difference is not significant (the 95% interval contains 50%)"
             lines.append(head + f" Where they disagree beyond δ ({diff['n']} tokens) PDM is right on {_pct(diff)}: {call}.")
-        gw = per_truth["own_sgd"].get("pdm_kernel_full", {}).get("all")
+        gw = per_truth["own_sgd"].get("pdm_backbone_full", {}).get("all")
         if gw and gw["n"]:
-            lines.append(f"{name}: the kernel-aware G_W matches the plain-step truth on {_pct(gw)} of the uniform sample.")
+            lines.append(f"{name}: the backbone-aware G_W matches the plain-step truth on {_pct(gw)} of the uniform sample.")
         head = per_truth["head"]["pdm_full"]["all"]
         if head["n"]:
             ok = "holds" if head["k"] == head["n"] else "FAILS"

@@ -73,7 +73,7 @@ def _block_stats(
     """Everything cheap of one block of positions [B]: D, beyond δ, every estimate of G, every mask's decision.
 
     ``rollout`` carries μ's top max(ks) and its full log-probs; ``weight`` is the LM head W [V, d] for the
-    kernel-aware estimators. Returns the flat record entries of the block.
+    backbone-aware estimators. Returns the flat record entries of the block.
     """
     out: dict[str, Tensor] = {}
     methods = direction_methods()
@@ -83,7 +83,7 @@ def _block_stats(
         wanted = [m for m in PDM_METHODS if m.estimator in estimators]
         return policy_stats(
             z, tokens, info,
-            need_uniform=any(m.needs_uniform for m in wanted),
+            need_exactpi=any(m.needs_exactpi for m in wanted),
             head_weight=weight if any(m.needs_head for m in wanted) else None,
         )
 

@@ -115,8 +115,8 @@ def summarize(res: TokenResults, delta: dict[str, float]) -> dict:
         for name, g in raw.items():
             if name in FULL_ESTIMATORS:
                 continue
-            # Each top-K estimator against its full-μ version: the kernel-aware one against kernel_full.
-            ref = raw["kernel_full"] if name.startswith("kernel") and "kernel_full" in raw else raw["full"]
+            # Each top-K estimator against its full-μ version: the backbone-aware one against backbone_full.
+            ref = raw["backbone_full"] if name.startswith("backbone") and "backbone_full" in raw else raw["full"]
             same = torch.sign(g) == torch.sign(ref)
             tracking[name] = {"sign_match": same.double().mean().item(), "corr": _pearson(g, ref), "n": len(g)}
         out["topk_tracking"][kind] = tracking

@@ -69,7 +69,7 @@ def write_plots(settings: dict[str, Any], out: Path) -> dict[str, list[str]]:
         fig, axes = plt.subplots(1, 3, figsize=(16, 4))
         curves(axes[0], setting, "mismatch/tv_mean", "mismatch: TV(trainer now, rollout engine)", smooth=5)
         curves(axes[1], setting, "div/mean", "method's divergence D(π, μ) during updates", smooth=5)
-        curves(axes[2], setting, "tail/masks_differ_frac", "share of tokens: top-K PDM masks differ", smooth=5)
+        curves(axes[2], setting, "topk/masks_differ_frac", "share of tokens: top-K PDM masks differ", smooth=5)
         axes[0].legend(fontsize=8)
         paths.append(_save(fig, plot_dir / f"mismatch_{name}.png"))
         files[name] = [str(p.relative_to(out)) for p in paths]

@@ -115,14 +115,14 @@ PRESETS: dict[str, Sweep] = {
     "long": Sweep(
         LEARNS,
         (
-            "pg_is", "ppo_clip", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl", "pdm_kernel_topk_kl",
+            "pg_is", "ppo_clip", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl", "pdm_backbone_topk_kl",
             "dppo_topk_tv", "pdm_aggregated_tv",
         ),  # fmt: skip
         tuple(range(100, 132)),
         ("small",),
         ("fp8", "bf16"),
         "The tables of docs/results.md: 32 new seeds (100-131, disjoint from the default's); at FP8 the paper's KL "
-        "comparison, pdmask's kernel-aware KL mask and the aggregated-tail TV form, at bf16 the paper's aggregated-tail "
+        "comparison, pdmask's backbone-aware KL mask and the aggregated-tail TV form, at bf16 the paper's aggregated-tail "
         "KL mask against DPPO and no trust region (37 minutes measured on 2 idle cores, docs/results.md; resumable).",
         accuracy="sampled",
         dtype_methods={"bf16": ("pg_is", "dppo_topk_kl", "pdm_aggregated_kl")},

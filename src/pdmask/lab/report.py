@@ -17,7 +17,7 @@ def summary_table(setting: dict[str, Any]) -> str:
     """Markdown table, methods in order of final held-out accuracy."""
     head = (
         "| method | final held-out acc [95% CI] | mean held-out acc | final train reward | dropped A>0 / A<0 | "
-        "mismatch TV mean / max / growth | D mean / max | dir. disagree | tail masks differ | Δ acc vs leader [paired 95% CI] | "
+        "mismatch TV mean / max / growth | D mean / max | dir. disagree | top-K masks differ | Δ acc vs leader [paired 95% CI] | "
         "other acc |"
     )
     lines = [head, "|" + "---|" * 11]
@@ -35,7 +35,7 @@ def summary_table(setting: dict[str, Any]) -> str:
             f"{e['dropped_frac_pos']['mean']:.3%} / {e['dropped_frac_neg']['mean']:.3%} | "
             f"{e['mismatch_tv_mean']['mean']:.4f} / {e['mismatch_tv_max']['mean']:.3f} / {e['mismatch_growth']['mean']:+.4f} | "
             f"{e['div_mean']['mean']:.4f} / {e['div_max']['mean']:.3f} | "
-            f"{e['direction_disagree_frac']['mean']:.1%} | {e['tail_masks_differ_frac']['mean']:.3%} | {delta} | "
+            f"{e['direction_disagree_frac']['mean']:.1%} | {e['topk_masks_differ_frac']['mean']:.3%} | {delta} | "
             + (f"{e['other_final_accuracy']['mean']:.3f} |" if "other_final_accuracy" in e else "— |")
         )
     return "\n".join(lines)
@@ -131,7 +131,7 @@ READING_GUIDE = """## How to read this
   policy and μ during the updates.
   *dir. disagree*: among tokens beyond the TV threshold, the share where DPPO's direction sign(π_a − μ_a) and the
   predictive sign(G) differ. *growth*: mismatch TV over the last tenth of the steps minus over the first tenth.
-- *tail masks differ*: share of response tokens on which the masks of the four top-K predictive estimators (the
+- *top-K masks differ*: share of response tokens on which the masks of the four top-K predictive estimators (the
   paper's pdm_aggregated and pdm_uniform, pdmask's pdm_proportional and pdm_exactpi) with the run's divergence and
   thresholds disagree, on the same logits and μ. They can only differ where π or μ keeps mass outside TopK(μ) ∪ {a}.
 - *Did RL learn?* pairs the best masked method's final held-out accuracy with its own start (after SFT) seed by

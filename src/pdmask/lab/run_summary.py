@@ -15,7 +15,7 @@ CURVES = (
     "mask/dropped_frac_neg",
     "mismatch/tv_mean",
     "div/mean",
-    "tail/masks_differ_frac",
+    "topk/masks_differ_frac",
 )
 
 
@@ -61,8 +61,8 @@ def run_summary(rows: list[dict[str, Any]], accuracy: str = "greedy") -> dict[st
         "mismatch_tv_max": max(v for _, v in _series(train_rows, "mismatch/tv_max")),
         "mismatch_growth": _mean_of(last, "mismatch/tv_mean") - _mean_of(first, "mismatch/tv_mean"),
         "direction_disagree_frac": _mean_of(train_rows, "mask/direction_disagree_frac"),
-        "tail_masks_differ_frac": _mean_of(train_rows, "tail/masks_differ_frac"),
-        "pi_rest_mean": _mean_of(train_rows, "tail/pi_rest_mean"),
+        "topk_masks_differ_frac": _mean_of(train_rows, "topk/masks_differ_frac"),
+        "pi_rest_mean": _mean_of(train_rows, "topk/pi_rest_mean"),
         "entropy_final": _mean_of(last, "policy/entropy"),
         "grad_norm": _mean_of(train_rows, "grad/norm"),
         "step_time_s": _mean_of(train_rows, "time/step"),

@@ -43,10 +43,10 @@ FULL_LOGP_BUDGET = 2**25  # floats: above this the engine returns top-K only and
 TAIL_ESTIMATORS = (*PAPER_TOPK_ESTIMATORS, "proportional", "exactpi")
 #: Shares logged by ``tail_metrics``, pooled over a step's updates by their token counts.
 TAIL_DENOMINATORS = {
-    "tail/masks_differ_frac": "count/tokens",
-    "tail/paper_tails_differ_frac": "count/tokens",
-    "tail/pi_rest_mean": "count/tokens",
-    "tail/mu_rest_mean": "count/tokens",
+    "topk/masks_differ_frac": "count/tokens",
+    "topk/paper_tails_differ_frac": "count/tokens",
+    "topk/pi_rest_mean": "count/tokens",
+    "topk/mu_rest_mean": "count/tokens",
 }
 
 
@@ -145,7 +145,7 @@ def mismatch_metrics(logits: Tensor, mb: RolloutBatch) -> dict[str, float]:
     }
 
 
-def tail_kind(cfg: Config) -> str:
+def topk_kind(cfg: Config) -> str:
     """The divergence ``tail_metrics`` compares the estimators with: the method's, TV for ppo_clip and pg_is."""
     return METHODS[cfg.method].kind or "tv"
 
@@ -154,13 +154,13 @@ def tail_kind(cfg: Config) -> str:
 def tail_metrics(cfg: Config, stats: pdmask.PolicyStats, advantages: Tensor, response_mask: Tensor) -> dict[str, float]:
     """How much the top-K predictive estimators' masks differ on one update, and the mass off S = TopK(μ) ∪ {a}.
 
-    The masks are those of pdm_{aggregated,uniform,proportional,exactpi}_{kind} (``tail_kind``) with
+    The masks are those of pdm_{aggregated,uniform,proportional,exactpi}_{kind} (``topk_kind``) with
     the run's thresholds, on the update's own statistics (they must carry μ's top K and ‖π‖²); they can
-    only differ where π or μ keeps mass off S. ``tail/masks_differ_frac``: share of response tokens on
-    which they do not all agree; ``tail/paper_tails_differ_frac``: on which the paper's aggregated-tail
-    and uniform-tail masks differ; ``tail/pi_rest_mean`` / ``tail/mu_rest_mean``: mean π_R and μ_R.
+    only differ where π or μ keeps mass off S. ``topk/masks_differ_frac``: share of response tokens on
+    which they do not all agree; ``topk/paper_tails_differ_frac``: on which the paper's aggregated-tail
+    and uniform-tail masks differ; ``topk/pi_rest_mean`` / ``topk/mu_rest_mean``: mean π_R and μ_R.
     """
-    kind = tail_kind(cfg)
+    kind = topk_kind(cfg)
     names = {e: f"pdm_{e}_{kind}" for e in TAIL_ESTIMATORS}
     keep = {
         e: pdmask.trust_region_mask(n, stats, advantages, response_mask, **cfg.replace(method=n).thresholds())
@@ -171,10 +171,10 @@ def tail_metrics(cfg: Config, stats: pdmask.PolicyStats, advantages: Tensor, res
     share = lambda x: (x & valid).sum().item() / n
     first = next(iter(keep.values()))
     out = {
-        "tail/masks_differ_frac": share(torch.stack([k != first for k in keep.values()]).any(0)),
-        "tail/paper_tails_differ_frac": share(keep["aggregated"] != keep["uniform"]),
-        "tail/pi_rest_mean": stats.rest_mass[valid].sum().item() / n,
-        "tail/mu_rest_mean": stats.rollout_rest_mass[valid].sum().item() / n,
+        "topk/masks_differ_frac": share(torch.stack([k != first for k in keep.values()]).any(0)),
+        "topk/paper_tails_differ_frac": share(keep["aggregated"] != keep["uniform"]),
+        "topk/pi_rest_mean": stats.rest_mass[valid].sum().item() / n,
+        "topk/mu_rest_mean": stats.rollout_rest_mass[valid].sum().item() / n,
     }
     return out
 
@@ -195,7 +195,7 @@ class Run:
         if cfg.top_k > V:
             raise ConfigError(f"top_k: K = {cfg.top_k} is larger than the vocabulary ({V})")
         self.method = METHODS[cfg.method]
-        # The kernel-aware masks read the LM head W [V, d] (logits = h Wᵀ); the others never need it.
+        # The backbone-aware masks read the LM head W [V, d] (logits = h Wᵀ); the others never need it.
         self.head_weight = self.policy.lm_head.weight if self.method.needs_head else None
         self.dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.dir / "config.json", jsonio.dumps(cfg.to_dict(), indent=2))
@@ -324,7 +324,7 @@ class Run:
                     metrics |= mismatch_metrics(logits, mb)
                 # One pass gives the loss, its metrics and the tail metrics (which compare the top-K estimators).
                 stats = pdmask.policy_stats(
-                    logits, mb.tokens, _select(mu, idx), need_sq_norm=True, need_uniform=tail_kind(cfg) == "tv",
+                    logits, mb.tokens, _select(mu, idx), need_sq_norm=True, need_exactpi=topk_kind(cfg) == "tv",
                     response_mask=mb.response_mask, head_weight=self.head_weight,
                 )  # fmt: skip
                 decision = pdmask.decide(self.method, stats, advantages[idx], mb.response_mask, **cfg.thresholds())

@@ -247,7 +247,7 @@ def facts(methods: Methods) -> Facts:
         max(methods, key=lambda m: mean(m, "peak_to_final_drop")),
         average("mismatch_tv_mean"),
         max(mean(m, "mismatch_tv_max") for m in methods),
-        average("tail_masks_differ_frac"),
+        average("topk_masks_differ_frac"),
         average("pi_rest_mean"),
         [g for g in groups.values() if len(g) > 1],
     )

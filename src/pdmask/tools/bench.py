@@ -31,7 +31,7 @@ from pdmask.tools.bench_sharded import FULL_SHARDED_GRID, QUICK_SHARDED_GRID, Sh
 from pdmask.tools.counts import quiet_stderr
 
 HELP = (
-    "Benchmark time and peak memory of the PDM tail statistics against the plain pass and DPPO's top-K statistics, "
+    "Benchmark time and peak memory of the PDM statistics (pdm_proportional) against the plain pass and DPPO's top-K statistics, "
     "of the statistics straight from hidden states against matmul + policy_stats and a published fused log-prob, "
     "and of the statistics on a vocabulary split over tp = 2 gloo processes against the unsharded pass."
 )
@@ -51,7 +51,7 @@ class Row:
     logits_mib: float
 
     @property
-    def tail_vs_dppo(self) -> float:
+    def proportional_vs_dppo(self) -> float:
         return self.ms["pdm_proportional"] / self.ms["dppo_topk"]
 
 
@@ -129,13 +129,13 @@ def render(rows: list[Row]) -> None:
 
     table = Table(title=f"pdmask bench: policy_stats + mask, K = 20, median of repeats, {torch.get_num_threads()} threads")
     for col in ("V", "N", "logits", "plain ms", "dppo_torch ms", "dppo_topk ms", "pdm_proportional ms",
-                "tail/dppo_topk", "tail/dppo_torch", "tail/plain", "tail extra mem", "dppo_torch extra mem"):
+                "prop/dppo_topk", "prop/dppo_torch", "prop/plain", "prop extra mem", "dppo_torch extra mem"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             f"{r.vocab:,}", f"{r.positions:,}", r.dtype,
             *(f"{r.ms[p]:.1f}" for p in PATHS),
-            f"{r.tail_vs_dppo:.2f}x", f"{r.ms['pdm_proportional'] / r.ms['dppo_torch']:.2f}x",
+            f"{r.proportional_vs_dppo:.2f}x", f"{r.ms['pdm_proportional'] / r.ms['dppo_torch']:.2f}x",
             f"{r.ms['pdm_proportional'] / r.ms['plain']:.2f}x",
             f"{r.peak_mib['pdm_proportional']:.1f} MiB ({100 * r.peak_mib['pdm_proportional'] / r.logits_mib:.1f}%)",
             f"{r.peak_mib['dppo_torch']:.0f} MiB ({100 * r.peak_mib['dppo_torch'] / r.logits_mib:.0f}%)",
@@ -143,7 +143,7 @@ def render(rows: list[Row]) -> None:
     console = Console(width=max(Console().width, 190))
     console.print(table)
     Console().print(
-        "Targets: tail/dppo_topk <= 1.15x; tail extra memory <= 10% of the logits. "
+        "Targets: prop/dppo_topk <= 1.15x; prop extra memory <= 10% of the logits. "
         "'extra mem' = peak bytes allocated above the logits tensor (profiler memory events)."
     )
 
@@ -206,7 +206,7 @@ def _write_json(path: str | None, rows: list[Row], hidden_rows: list[HiddenRow],
     if path:
         with open(path, "w") as f:
             f.write(dumps({
-                "logits": [asdict(r) | {"tail_vs_dppo_topk": r.tail_vs_dppo} for r in rows],
+                "logits": [asdict(r) | {"proportional_vs_dppo_topk": r.proportional_vs_dppo} for r in rows],
                 "hidden": [asdict(r) for r in hidden_rows],
                 "sharded": [asdict(r) | {"time_ratio": r.time_ratio} for r in sharded_rows],
             }, indent=1))

@@ -28,7 +28,7 @@ SMALL = (16, 300, 20)
 @dataclass
 class LaunchRow:
     path: str  # "torch (cpu chunks)", "torch (cuda chunks)", "fused triton"
-    uniform: bool  # the exactpi sums in the pass
+    exactpi: bool  # the exactpi sums in the pass
     forward_fixed: int
     forward_per_chunk: int
     backward_fixed: int
@@ -58,9 +58,9 @@ def _small_case(seed: int = 0):
     return logits, tokens, rollout, torch.randn(n, generator=g)
 
 
-def _fwd_bwd(chunk: int | None, uniform: bool) -> tuple[int, int]:
+def _fwd_bwd(chunk: int | None, exactpi: bool) -> tuple[int, int]:
     logits, tokens, rollout, _ = _small_case()
-    fwd = lambda: policy_stats(logits, tokens, rollout, chunk_size=chunk, need_uniform=uniform, validate=False)
+    fwd = lambda: policy_stats(logits, tokens, rollout, chunk_size=chunk, need_exactpi=exactpi, validate=False)
     forward = count(fwd)[1]
     stats = fwd()
     backward = count(lambda: torch.autograd.grad(stats.logp.sum(), logits))[1]
@@ -75,18 +75,18 @@ def launch_rows(vocab: int, positions: int, dtype: torch.dtype) -> list[LaunchRo
     saved = os.environ.get(ENV)
     try:
         os.environ[ENV] = "0"
-        for uniform in (False, True):
-            (f1, b1), (f2, b2) = _fwd_bwd(n, uniform), _fwd_bwd(n // 2, uniform)
+        for exactpi in (False, True):
+            (f1, b1), (f2, b2) = _fwd_bwd(n, exactpi), _fwd_bwd(n // 2, exactpi)
             fixed_f, per_f, fixed_b, per_b = 2 * f1 - f2, f2 - f1, 2 * b1 - b2, b2 - b1
             for device in ("cpu", "cuda"):
-                chunks = math.ceil(positions / chunk_rows(logit_bytes, vocab, torch.float32, 3 if uniform else 2, device))
-                rows.append(LaunchRow(f"torch ({device} chunks)", uniform, fixed_f, per_f, fixed_b, per_b, chunks,
+                chunks = math.ceil(positions / chunk_rows(logit_bytes, vocab, torch.float32, 3 if exactpi else 2, device))
+                rows.append(LaunchRow(f"torch ({device} chunks)", exactpi, fixed_f, per_f, fixed_b, per_b, chunks,
                                       fixed_f + per_f * chunks, fixed_b + per_b * chunks))  # fmt: skip
         if triton_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
             os.environ[ENV] = "1"
-            for uniform in (False, True):
-                f, b = _fwd_bwd(None, uniform)
-                rows.append(LaunchRow("fused triton", uniform, f, 0, b, 0, 1, f, b))
+            for exactpi in (False, True):
+                f, b = _fwd_bwd(None, exactpi)
+                rows.append(LaunchRow("fused triton", exactpi, f, 0, b, 0, 1, f, b))
     finally:
         if saved is None:
             os.environ.pop(ENV, None)
@@ -120,7 +120,7 @@ def render_counts(launches: list[LaunchRow], syncs: list[SyncRow], vocab: int, p
     for col in ("path", "exactpi sums", "fwd fixed + per chunk", "bwd fixed + per chunk", "chunks", "forward", "backward"):
         table.add_column(col, justify="right")
     for r in launches:
-        table.add_row(r.path, "yes" if r.uniform else "no", f"{r.forward_fixed} + {r.forward_per_chunk}",
+        table.add_row(r.path, "yes" if r.exactpi else "no", f"{r.forward_fixed} + {r.forward_per_chunk}",
                       f"{r.backward_fixed} + {r.backward_per_chunk}", f"{r.chunks:,}", f"{r.forward:,}", f"{r.backward:,}")  # fmt: skip
     console = Console(width=max(Console().width, 150))
     console.print(table)

@@ -97,7 +97,7 @@ def logits_paths(logits: Tensor, tokens: Tensor, rollout: RolloutLogprobs) -> di
         "C": lambda: compiled(logits, set_ids),
         "dppo_topk": lambda: policy_stats(logits, tokens, rollout, need_sq_norm=False, validate=False),
         "pdm_proportional": lambda: policy_stats(logits, tokens, rollout, validate=False),
-        "pdm_exactpi": lambda: policy_stats(logits, tokens, rollout, need_uniform=True, validate=False),
+        "pdm_exactpi": lambda: policy_stats(logits, tokens, rollout, need_exactpi=True, validate=False),
         "pdm_proportional_torch": lambda: _torch_pass(lambda: policy_stats(logits, tokens, rollout, validate=False)),
         "backward": backward,
         "backward_torch": lambda: _torch_pass(backward),

@@ -3,7 +3,7 @@
 Paths, each on the same hidden states h [N, d] and LM head W [V, d] (both requiring grad), K = 20,
 forward and backward of Σ g·M·log π(a) with the ``pdm_proportional_tv`` mask M (Σ g·log π(a) where no mask):
   fused         pdmask.policy_stats_from_hidden (log π(a), ‖π‖², top-K statistics) + mask
-  kernel        the same with need_kernel=True and the ``pdm_kernel_topk_tv`` mask     (target: ≤ 1.5× fused)
+  backbone      the same with need_backbone=True and the ``pdm_backbone_topk_tv`` mask     (target: ≤ 1.5× fused)
   matmul_stats  logits = h @ W.T, then pdmask.policy_stats + mask                   (target (a))
   matmul_plain  logits = h @ W.T, then log_softmax(logits.float()) + gather        (target (b))
   trl_sq        TRL's chunked fused log π(a) (trl.kernels.chunked_logprob), then a   (target (c))
@@ -25,7 +25,7 @@ from pdmask.methods import trust_region_mask
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import policy_stats
 
-HIDDEN_PATHS = ("fused", "kernel", "matmul_stats", "matmul_plain", "trl_sq")
+HIDDEN_PATHS = ("fused", "backbone", "matmul_stats", "matmul_plain", "trl_sq")
 RATIO_PATHS = HIDDEN_PATHS[2:]
 
 
@@ -45,9 +45,9 @@ FULL_HIDDEN_GRID = [
     HiddenConfig(32_000, 896, 1_024, "bfloat16"),
     HiddenConfig(32_000, 2_048, 1_024, "float32"),
     HiddenConfig(151_936, 896, 1_024, "float32"),
-    HiddenConfig(151_936, 896, 4_096, "float32", ("fused", "kernel")),
-    HiddenConfig(151_936, 896, 8_192, "float32", ("fused", "kernel")),
-    HiddenConfig(151_936, 896, 8_192, "bfloat16", ("fused", "kernel")),
+    HiddenConfig(151_936, 896, 4_096, "float32", ("fused", "backbone")),
+    HiddenConfig(151_936, 896, 8_192, "float32", ("fused", "backbone")),
+    HiddenConfig(151_936, 896, 8_192, "bfloat16", ("fused", "backbone")),
 ]
 QUICK_HIDDEN_GRID = [HiddenConfig(32_000, 256, 256, "float32")]
 
@@ -67,10 +67,10 @@ class HiddenRow:
         ms = self.cpu_ms if cpu else self.ms
         return ms["fused"] / ms[other] if "fused" in ms and other in ms else None
 
-    def kernel_ratio(self, cpu: bool = False) -> float | None:
-        """kernel / fused: what the kernel-aware sums add to the hidden-state pass."""
+    def backbone_ratio(self, cpu: bool = False) -> float | None:
+        """backbone / fused: what the backbone-aware sums add to the hidden-state pass."""
         ms = self.cpu_ms if cpu else self.ms
-        return ms["kernel"] / ms["fused"] if "fused" in ms and "kernel" in ms else None
+        return ms["backbone"] / ms["fused"] if "fused" in ms and "backbone" in ms else None
 
 
 def hidden_inputs(vocab: int, dim: int, n: int, dtype: torch.dtype, k: int = 20, seed: int = 0):
@@ -102,8 +102,8 @@ def hidden_paths(
     def fused():
         masked_backward(policy_stats_from_hidden(h, w, tokens, rollout))
 
-    def kernel():
-        masked_backward(policy_stats_from_hidden(h, w, tokens, rollout, need_kernel=True), "pdm_kernel_topk_tv")
+    def backbone():
+        masked_backward(policy_stats_from_hidden(h, w, tokens, rollout, need_backbone=True), "pdm_backbone_topk_tv")
 
     def matmul_stats():
         masked_backward(policy_stats(h @ w.T, tokens, rollout))
@@ -121,7 +121,7 @@ def hidden_paths(
         with torch.no_grad():
             ChunkedLogProbFunction.apply(h, w, None, tokens, 1.0, chunk, None, 1.0, ("log_sum_sq_probs",))
 
-    return {"fused": fused, "kernel": kernel, "matmul_stats": matmul_stats, "matmul_plain": matmul_plain, "trl_sq": trl_sq}
+    return {"fused": fused, "backbone": backbone, "matmul_stats": matmul_stats, "matmul_plain": matmul_plain, "trl_sq": trl_sq}
 
 
 def trl_available() -> bool:
@@ -174,7 +174,7 @@ def render_hidden(rows: list[HiddenRow]) -> None:
         title=f"pdmask bench: hidden states -> log π(a) + statistics, forward + backward, K = 20, "
         f"{torch.get_num_threads()} threads"
     )
-    cols = ["V", "d", "N", "dtype", *(f"{p} ms" for p in HIDDEN_PATHS), "kernel/fused (cpu)"]
+    cols = ["V", "d", "N", "dtype", *(f"{p} ms" for p in HIDDEN_PATHS), "backbone/fused (cpu)"]
     cols += [f"fused/{p} (cpu)" for p in RATIO_PATHS]
     cols += [f"{p} extra" for p in HIDDEN_PATHS]
     for col in cols:
@@ -183,7 +183,7 @@ def render_hidden(rows: list[HiddenRow]) -> None:
         table.add_row(
             f"{r.vocab:,}", f"{r.dim:,}", f"{r.positions:,}", r.dtype,
             *(f"{r.ms[p]:.0f}" if p in r.ms else "-" for p in HIDDEN_PATHS),
-            _ratio_cell(r.kernel_ratio(), r.kernel_ratio(cpu=True)),
+            _ratio_cell(r.backbone_ratio(), r.backbone_ratio(cpu=True)),
             *(_ratio_cell(r.ratio(p), r.ratio(p, cpu=True)) for p in RATIO_PATHS),
             *(
                 f"{r.extra_mib[p]:.0f} MiB ({100 * r.extra_mib[p] / r.logits_mib:.1f}%)" if p in r.extra_mib else "-"
@@ -193,7 +193,7 @@ def render_hidden(rows: list[HiddenRow]) -> None:
     console = Console(width=max(Console().width, 220))
     console.print(table)
     Console().print(
-        "Targets: fused/matmul_stats <= 1.3x, fused <= trl_sq, kernel/fused <= 1.5x; fused and kernel extra memory "
+        "Targets: fused/matmul_stats <= 1.3x, fused <= trl_sq, backbone/fused <= 1.5x; fused and backbone extra memory "
         "<= 2% of the float32 [N, V] "
         "logits at N = 8,192, V = 151,936, and not growing with N. 'extra' = peak bytes allocated above the "
         "inputs and the returned gradients (profiler memory events), % of the float32 logits. Ratios of median "

@@ -198,8 +198,8 @@ class PDMTrainer(GRPOTrainer):
         if needs != "binary":
             # The hidden state before each completion token is the one that predicts it.
             hidden = torch.cat([h[:, -logits_to_keep - 1 : -1] for h in caught["hidden"]])
-        if needs == "full" or self.mask_method.needs_uniform or self.mask_method.needs_head:
-            # The uniform tail's sums, full μ and the kernel-aware sums need every logit: read them from the
+        if needs == "full" or self.mask_method.needs_exactpi or self.mask_method.needs_head:
+            # The exactpi estimator's TV sums, full μ and the backbone-aware sums need every logit: read them from the
             # hidden states in blocks, so no [B, T, V] logits are held (log π(a) stays TRL's own, with its gradient).
             with torch.no_grad(), head_weights(head) as (weight, bias):
                 # One dtype for both, no float32 copies: the pass makes float32 logits of bf16 inputs block by block.
@@ -211,9 +211,9 @@ class PDMTrainer(GRPOTrainer):
                     rollout,
                     bias=None if bias is None else bias.to(dtype),
                     temperature=self.temperature,
-                    need_uniform=self.mask_method.needs_uniform,
+                    need_exactpi=self.mask_method.needs_exactpi,
                     response_mask=valid,
-                    need_kernel=self.mask_method.needs_head,
+                    need_backbone=self.mask_method.needs_head,
                 )
             return replace(stats, logp=logp)
         if needs == "topk":

@@ -42,12 +42,12 @@ TOPK_LOGP = "rollout_topk_log_probs"
 PROCESSOR_FLAG = "distillation_use_topk"
 #: Methods run by ``PDMLoss``: those that need μ's top-K (full μ has no rollout engine to come from).
 TOPK_METHODS = tuple(name for name, m in METHODS.items() if m.needs == "topk" and not m.needs_head)
-#: The kernel-aware methods need the final hidden states and the LM head, which verl's loss never sees.
+#: The backbone-aware methods need the final hidden states and the LM head, which verl's loss never sees.
 HEAD_METHODS = tuple(name for name, m in METHODS.items() if m.needs_head)
 #: Prefix of the per-token outputs the processor hands back through verl's model output.
 _OUT = "pdmask_stat/"
 #: PolicyStats fields laid out [2, ...] rather than [..., C].
-_LEADING_PAIR = ("uniform_sums",)
+_LEADING_PAIR = ("exactpi_sums",)
 
 _current: ContextVar[PolicyStats | None] = ContextVar("pdmask_verl_topk_stats", default=None)
 
@@ -155,8 +155,8 @@ class PDMLoss:
             logits,
             rows[0],
             RolloutLogprobs(rows[2].float(), rows[3].long(), rows[4].float()),
-            need_sq_norm=True,  # tail, uniform and the direction-disagreement metric use ‖π‖²
-            need_uniform=self.method.needs_uniform,
+            need_sq_norm=True,  # proportional, exactpi and the direction-disagreement metric use ‖π‖²
+            need_exactpi=self.method.needs_exactpi,
             response_mask=rows[1].bool(),
             tp_group=tp_group,
         )

@@ -1,4 +1,4 @@
-"""`pdmask kernel-scale`: which term of the whole network's step decides the sign of ΔD (docs/method.md §6b).
+"""`pdmask backbone-scale`: which term of the whole network's step decides the sign of ΔD (docs/method.md §6b).
 
 A token's own plain step changes D by ηA·[(‖h‖² + 1)·G + κ·G_W] when the backbone's kernel in hidden
 space is K ≈ κ·I. κ = tr(K)/d with K = J Jᵀ, J = ∂h/∂θ, is estimated per position by Hutchinson's
@@ -15,7 +15,7 @@ from torch import nn
 
 from pdmask import RolloutLogprobs, policy_stats, predicted_change
 
-HELP = "Measure the backbone's kernel scale κ against the LM head's ‖h‖² at response positions (kernel-aware masks)."
+HELP = "Measure the backbone's kernel scale κ against the LM head's ‖h‖² at response positions (backbone-aware masks)."
 PROMPT = "Question: what is 17 + 25? Think step by step, then give the answer. Answer: 17 + 25 = 42 because"
 
 
@@ -74,7 +74,7 @@ def measure(name: str, positions: int, probes: int, seed: int) -> dict[str, list
     stats = policy_stats(z, a, mu, head_weight=weight.detach().double())
     kappa, h_sq = torch.tensor(out["kappa"]).double(), torch.tensor(out["h_sq"]).double()
     for kind in ("kl", "tv"):
-        g, gw = predicted_change(stats, kind, "full"), predicted_change(stats, kind, "kernel_full")
+        g, gw = predicted_change(stats, kind, "full"), predicted_change(stats, kind, "backbone_full")
         out[f"ratio_{kind}"] = ((kappa * gw).abs() / (h_sq * g).abs().clamp_min(1e-300)).tolist()
         out[f"agree_{kind}"] = (torch.sign(g) == torch.sign(gw)).double().tolist()
     return out
