@@ -97,3 +97,22 @@ def engine_data(batch, *, rmpad, flag=True, **extra):
     }
     tu.assign_non_tensor(td, **(defaults | extra))
     return enable_topk_forward(td) if flag else td
+
+
+def loss_capturing_stats(loss_fn, output, data):
+    """(loss, [(PolicyStats, advantages, mask)]): ``loss_fn`` on an engine's output, with what reached pdmask's masked loss."""
+    from pdmask.integrations.verl import losses
+
+    seen = []
+    real = losses.masked_policy_loss
+
+    def capture(m, stats, adv, mask, agg, cfg, weights):
+        seen.append((stats, adv, mask))
+        return real(m, stats, adv, mask, agg, cfg, weights)
+
+    losses.masked_policy_loss = capture
+    try:
+        loss, _ = loss_fn(model_output=output, data=data, dp_group=None)
+    finally:
+        losses.masked_policy_loss = real
+    return loss, seen

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import DELTA, TAU, K, actor_config, engine_data
+from conftest import DELTA, TAU, K, actor_config, engine_data, loss_capturing_stats
 
 pytest.importorskip("megatron.core", reason="the Megatron path needs megatron-core (pip install megatron-core)")
 
@@ -51,7 +51,7 @@ def _forward(data, table, data_format: str, method: str):
     from verl.workers.config import PolicyLossConfig
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from pdmask.integrations.verl import PDMLoss, losses
+    from pdmask.integrations.verl import PDMLoss
 
     config = actor_config(
         clip_ratio_low=DELTA, clip_ratio_high=DELTA, policy_loss=PolicyLossConfig(loss_mode=f"pdmask_{method}")
@@ -77,18 +77,7 @@ def _forward(data, table, data_format: str, method: str):
         model, input_ids, {}, logits_processor=processor, logits_processor_args=args, pad_token_id=0,
         data_format=data_format,
     )  # fmt: skip
-    seen = []
-    real = losses.masked_policy_loss
-
-    def capture(m, stats, adv, mask, agg, cfg, weights):
-        seen.append((stats, adv, mask))
-        return real(m, stats, adv, mask, agg, cfg, weights)
-
-    losses.masked_policy_loss = capture
-    try:
-        loss, _ = loss_fn(model_output=output, data=data, dp_group=None)
-    finally:
-        losses.masked_policy_loss = real
+    loss, seen = loss_capturing_stats(loss_fn, output, data)
     return loss, seen[0]
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import DELTA, K, actor_config, engine_data
+from conftest import DELTA, K, actor_config, engine_data, loss_capturing_stats
 
 SP = 2
 
@@ -41,7 +41,7 @@ def _run(batch, table, sp: int, method: str):
     from verl.utils.ulysses import get_ulysses_sequence_parallel_rank
     from verl.workers.config import PolicyLossConfig
 
-    from pdmask.integrations.verl import PDMLoss, losses
+    from pdmask.integrations.verl import PDMLoss
 
     engine = _engine(sp)
     data = engine_data(batch, rmpad=True, dp_size=1, batch_num_tokens=None)
@@ -56,18 +56,7 @@ def _run(batch, table, sp: int, method: str):
     )
     loss_fn = PDMLoss(config, top_k=K)
     output = engine.prepare_model_outputs(SimpleNamespace(logits=logits), output_args, data, loss_fn)
-    seen = []
-    real = losses.masked_policy_loss
-
-    def capture(m, stats, adv, mask, agg, cfg, weights):
-        seen.append((stats, adv, mask))
-        return real(m, stats, adv, mask, agg, cfg, weights)
-
-    losses.masked_policy_loss = capture
-    try:
-        loss, _ = loss_fn(model_output=output, data=data, dp_group=None)
-    finally:
-        losses.masked_policy_loss = real
+    loss, seen = loss_capturing_stats(loss_fn, output, data)
     return loss, seen, logits
 
 
