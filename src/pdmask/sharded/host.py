@@ -1,0 +1,108 @@
+"""Statistics from what a host already computed on its vocabulary shard (log π(a), ‖π‖²), plus the logits at S."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pdmask.rollout import RolloutLogprobs
+from pdmask.sharded.shard import (
+    VocabShard,
+    agreed,
+)
+from pdmask.stats import PolicyStats, stats_from_set
+from pdmask.vocab_pass import (
+    prepare,
+)
+
+#: The methods whose statistics need only π at S, π_R, ‖π‖² and V: what ``stats_from_shard`` (a host that
+#: already has log π(a) and ‖π‖²) can serve. The others need sums over the vocabulary (``policy_stats``).
+HOST_REFUSED_ESTIMATORS = ("full", "backbone_full", "backbone_topk")
+
+
+def gather_set_logits(logits: Tensor, set_ids: Tensor, *, tp_group: dist.ProcessGroup | None, vocab_size: int | None = None) -> Tensor:
+    """The logits at the ids set_ids [..., C] from each rank's shard logits [..., V/tp], summed over ``tp_group``
+    (each id is held by one rank): [..., C] in float32 (float64 for float64 logits), one all-reduce of N·C floats.
+    Every rank must call it with the same set_ids; ids must lie in [0, vocab_size)."""
+
+    def check() -> VocabShard:
+        if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+            raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V/tp] (this rank's shard).")
+        shard = VocabShard.of(tp_group, logits.shape[-1], vocab_size)
+        if tuple(set_ids.shape[:-1]) != tuple(logits.shape[:-1]):
+            lead = tuple(logits.shape[:-1])
+            raise ValueError(f"set_ids has shape {tuple(set_ids.shape)}; expected the logits' leading shape {lead} + (C,).")
+        if set_ids.numel() and (set_ids.min() < 0 or set_ids.max() >= shard.vocab):
+            raise ValueError(f"set_ids holds an id outside the vocabulary [0, {shard.vocab}).")
+        return shard
+
+    shard = agreed(tp_group, check, lambda s: [set_ids.numel(), s.vocab], logits)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    owned = shard.owned(set_ids)
+    z = logits.detach().gather(-1, shard.local(set_ids, 0)).to(dtype)
+    return shard.all_reduce(torch.where(owned, z, 0.0))
+
+
+def stats_from_shard(
+    logits: Tensor,
+    tokens: Tensor,
+    rollout: RolloutLogprobs,
+    logp: Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    vocab_size: int | None = None,
+    sq_norm: Tensor | None = None,
+    methods: Iterable[str] = (),
+) -> PolicyStats:
+    """PolicyStats for a trainer that already has log π(a) (e.g. ``-vocab_parallel_cross_entropy``) and ‖π‖²
+    (verl's ``calculate_sum_pi_squared`` / ``vocab_parallel_sum_pi_squared``): the logits at S gathered from the
+    shards (``gather_set_logits``, one all-reduce of N·(K+1) floats) and ``stats_from_set``; no pass over the
+    vocabulary. The normaliser is lse = z_a − log π(a).
+
+    Args:
+        logits: this rank's shard [..., V/tp] of the logits log π(a) came from (after the temperature).
+        tokens, rollout: a [...] and μ (binary or top-K; not full).
+        logp: log π(a) [...], with the trainer's gradient. sq_norm: ‖π‖² [...] (``proportional``, ``exactpi``).
+        vocab_size: the real V (default tp·V/tp: no padding); ids of S must lie below it.
+        methods: the mask methods the caller will use; raises naming those this mode cannot serve: the ones that
+            sum over the vocabulary (``*_full_*``, ``pdm_backbone_*``, ``pdm_exactpi_tv``): use ``policy_stats``.
+    """
+    from pdmask.methods import get_method
+
+    refused = [m for m in (get_method(x) for x in methods)
+               if m.info == "full" or m.estimator in HOST_REFUSED_ESTIMATORS or m.needs_exactpi]  # fmt: skip
+    if refused:
+        raise ValueError(
+            f"stats_from_shard serves the methods that need only π at S, π_R and ‖π‖²; {', '.join(m.name for m in refused)} "
+            "sum over the vocabulary: compute them with pdmask.policy_stats(logits, ..., tp_group=...)."
+        )
+
+    def check() -> tuple[VocabShard, RolloutLogprobs, Tensor]:
+        if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+            raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V/tp] (this rank's shard).")
+        shard = VocabShard.of(tp_group, logits.shape[-1], vocab_size)
+        if not isinstance(rollout, RolloutLogprobs) or rollout.full_logp is not None:
+            raise ValueError("stats_from_shard takes a binary or top-K RolloutLogprobs (no full_logp).")
+        shape = tuple(logits.shape[:-1])
+        if not isinstance(logp, Tensor) or tuple(logp.shape) != shape:
+            raise ValueError(f"logp must be log π(a) of shape {shape}.")
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        prep = prepare(tokens, rollout, None, shape, shard.vocab, dtype, "logits")
+        return shard, prep.rollout, prep.tokens
+
+    shard, checked, a = agreed(tp_group, check, lambda r: [r[2].numel(), r[1].k, r[0].vocab], logits)
+    set_ids = a.unsqueeze(-1) if checked.topk_ids is None else torch.cat([checked.topk_ids, a.unsqueeze(-1)], -1)
+    set_z = gather_set_logits(logits, set_ids, tp_group=tp_group, vocab_size=shard.vocab)
+    lse = set_z[..., -1] - logp.detach().to(set_z.dtype)
+    return stats_from_set(logp, a, checked, set_z - lse.unsqueeze(-1), sq_norm=sq_norm, vocab_size=shard.vocab)
+
+
+#: How a host splits a sequence over its context/sequence-parallel ranks: ``contiguous`` (verl's Ulysses:
+#: rank r holds chunk r of world equal chunks) or ``load_balanced`` (Megatron's context parallelism: the
+#: sequence in 2·world chunks, rank r holding chunks r and 2·world − 1 − r, for causal attention's balance).
+
+
+__all__ = ["HOST_REFUSED_ESTIMATORS", "gather_set_logits", "stats_from_shard"]
