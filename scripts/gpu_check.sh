@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 DEVICE="${DEVICE:-cuda}"
+export PDMASK_TRITON=1  # the fused kernels are opt-in until this script has passed on a GPU
 out="${OUT:-$(mktemp -d)}"
 mkdir -p "$out"
 if [ "$DEVICE" = cuda ]; then

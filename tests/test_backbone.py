@@ -111,7 +111,7 @@ def test_without_the_head_the_error_names_the_fix():
         policy_stats(logits_of(h, w, b, 1.0), a, rollout, head_weight=w[:-1])
 
 
-def test_kernel_full_needs_the_full_mu_in_the_pass():
+def test_backbone_full_needs_the_full_mu_in_the_pass():
     h, w, b, a, rollout = head_case(6, 30, 4, 5, seed=6)
     topk_only = RolloutLogprobs(rollout.logp, rollout.topk_ids, rollout.topk_logp)
     stats = policy_stats(logits_of(h, w, b, 1.0), a, topk_only, head_weight=w)
@@ -119,7 +119,7 @@ def test_kernel_full_needs_the_full_mu_in_the_pass():
         pdmask.decide("pdm_backbone_full_kl", stats, torch.ones(6, dtype=torch.float64))
 
 
-def test_kernel_scale_measures_both_terms(monkeypatch):
+def test_backbone_scale_measures_both_terms(monkeypatch):
     from pdmask.lab.models import build_policy
     from pdmask.tools import backbone_scale
 

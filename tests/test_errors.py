@@ -131,7 +131,7 @@ def test_k_larger_than_vocab():
     expect(ValueError, "K = 4 top log-probs", policy_stats, z, a, rollout_of(logmu, a, ids, torch.full((2, 4), -5.0)))
 
 
-def test_uniform_estimator_without_what_it_needs():
+def test_exactpi_estimator_without_what_it_needs():
     z, logmu, a, ids, vals = make_case(N, V, K)
     r = rollout_of(logmu, a, ids, vals).validated(a, V, torch.float64)
     logsm = torch.log_softmax(z, -1)

@@ -133,7 +133,7 @@ def test_packed_batched_and_non_contiguous_hidden_states_agree():
     assert torch.allclose(leaf.grad[:, :9].reshape(-1, 12), flat.grad, atol=1e-5)
 
 
-def test_response_mask_padding_and_the_uniform_second_pass():
+def test_response_mask_padding_and_the_exactpi_second_pass():
     h, w, b, a, rollout = head_case(6, 50, 8, 3, seed=8)
     mask = torch.tensor([1, 1, 0, 1, 0, 1])
     ids = rollout.topk_ids.clone()

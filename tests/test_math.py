@@ -62,10 +62,17 @@ def test_fast_paths_match_float64_references(c, kind, dtype):
         ("D", "topk"): ref.topk_divergence(zr, mu, a, ids, kind),
         ("D", "binary"): ref.binary_divergence(zr, mu, a, kind),
     }
+    # TV's G jumps where π_i = μ_i (method.md, check 1 excludes ties): below float64, a near tie can take the
+    # other sign, so rows with one are compared only in float64.
+    p = torch.softmax(zr, -1)
+    rows = torch.ones(a.shape, dtype=torch.bool)
+    if kind == "tv" and dtype != torch.float64:
+        rows = ~((p - mu).abs() <= 1e-5 * p).any(-1)
     for (what, how), want in expect.items():
         got = predicted_change(stats, kind, how) if what == "G" else divergence(stats, kind, how)
         assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-        assert torch.allclose(got.double(), want, rtol=rtol, atol=atol), (what, how, got, want)
+        keep = rows if what == "G" else torch.ones_like(rows)
+        assert torch.allclose(got.double()[keep], want[keep], rtol=rtol, atol=atol), (what, how, got, want)
 
 
 @SETTINGS
@@ -106,7 +113,7 @@ def test_check2_tail_is_exact_when_mu_tail_is_proportional(vocab, seed, kind):
 
 @SETTINGS
 @given(st.integers(4, 1000), st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]), st.sampled_from([0.0, 1.0]))
-def test_check2_uniform_is_exact_when_mu_tail_is_even(vocab, seed, kind, tail_share):
+def test_check2_exactpi_is_exact_when_mu_tail_is_even(vocab, seed, kind, tail_share):
     """μ completed with an even tail u = μ_R / T off S, as method.md defines it; μ_R = 0 included."""
     z, logmu, a, ids, _ = make_case(3, vocab, max(1, vocab // 5), seed=seed)
     in_s = ref.set_mask(a, ids, vocab)
@@ -138,7 +145,7 @@ def test_check2_paper_uniform_is_exact_when_both_tails_are_even(vocab, seed, kin
 
 @SETTINGS
 @given(st.integers(2, 2000), st.integers(0, 2**31 - 1), st.sampled_from([torch.float64, torch.float32]))
-def test_uniform_sums_in_the_pass_or_a_second_pass_agree(vocab, seed, dtype):
+def test_exactpi_sums_in_the_pass_or_a_second_pass_agree(vocab, seed, dtype):
     z, logmu, a, ids, vals = make_case(5, vocab, min(vocab, 4), seed=seed, dtype=dtype)
     rollout = rollout_of(logmu, a, ids, vals)
     eager = policy_stats(z, a, rollout, need_exactpi=True, chunk_size=2)

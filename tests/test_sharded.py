@@ -218,6 +218,10 @@ def _bad_rank(rank: int, world: int, bad: str):
             rollout = RolloutLogprobs(rollout.logp[:, :4], rollout.topk_ids[:, :4], rollout.topk_logp[:, :4])
         elif bad == "vocab_size":
             kwargs["vocab_size"] = 10 * vocab
+        elif bad == "width":  # a shard one id narrower: id rank·width would belong to no rank
+            shard, kwargs["vocab_size"] = shard[..., 1:], vocab - 1
+        elif bad == "dtype":  # a TypeError on one rank is agreed on too
+            a = a.float()
     if bad != "positions":
         rollout = RolloutLogprobs(rollout.logp, rollout.topk_ids, rollout.topk_logp)
     return policy_stats(shard, a, rollout, **kwargs).logp
@@ -229,13 +233,16 @@ BAD = [
     ("nan", "logits contain NaN or +inf"),
     ("positions", "the ranks of tp_group were given inputs of different sizes"),
     ("vocab_size", "vocab_size must be the real vocabulary V"),
+    ("width", "every shard must be equally wide"),
+    ("dtype", "tokens must be an integer tensor"),
 ]
 
 
 @pytest.mark.parametrize(("bad", "message"), BAD)
 def test_bad_input_on_one_rank_fails_every_rank_with_one_error(bad, message):
     results = [r["bad"][bad] for r in results_for(2)]
-    assert all(r[:2] == ("error", "ValueError") for r in results), results
+    assert all(r[0] == "error" and r[1] in ("ValueError", "TypeError") for r in results), results
+    assert len({r[1] for r in results}) == 1, results
     assert len({r[2] for r in results}) == 1 and message in results[0][2], results
 
 

@@ -23,7 +23,7 @@ from pdmask.vocab_pass import Accumulators, Block, Buffers, Prepared, exactpi_pa
 BLOCK_ROWS = 1024
 BLOCK_VOCAB = 2048
 #: ... and on CUDA (256 MiB), where each block costs ~55 launches whatever its size: 40 blocks for a
-#: sweep of 16,384 positions × 151,936 ids instead of 1,200.
+#: sweep of 16,384 positions × 151,936 ids instead of 1,200. An estimate from launch counts, not yet tuned on a GPU.
 CUDA_BLOCK_ROWS = 4096
 CUDA_BLOCK_VOCAB = 16384
 
@@ -79,7 +79,7 @@ def policy_stats_from_hidden(
             hidden, weight, tokens, rollout, tp_group=tp_group, vocab_size=vocab_size,
             reduce_hidden_grad=reduce_hidden_grad, bias=bias, temperature=temperature, need_sq_norm=need_sq_norm,
             need_exactpi=need_exactpi, response_mask=response_mask, need_backbone=need_backbone, block_rows=block_rows,
-            block_vocab=block_vocab,
+            block_vocab=block_vocab, validate=validate,
         )
     head = _Head.checked(hidden, weight, bias, temperature, block_rows, block_vocab)
     shape = tuple(hidden.shape[:-1])

@@ -146,8 +146,8 @@ def policy_stats(
         rollout: what is known of μ at each position.
         chunk_size: positions per chunk; by default the chunk's float32 temporaries stay within
             ``pdmask.vocab_pass.CHUNK_FRACTION`` of the logits' size (between 1 MiB and 64 MiB; on CUDA
-            ``CUDA_CHUNK_FRACTION``, up to 2 GiB). CUDA logits take the fused Triton kernels when Triton
-            imports (``pdmask.triton_pass``), which need no chunks.
+            ``CUDA_CHUNK_FRACTION``, up to 2 GiB). With ``PDMASK_TRITON=1`` the fused Triton kernels
+            (``pdmask.triton_pass``) run instead and need no chunks.
         need_sq_norm: compute ‖π‖² = Σ exp(2·log π) (needed by the ``proportional``, ``exactpi`` and ``full`` estimators).
         need_exactpi: also sum sign(π_j − u)·π_j and ·π_j² off S in this pass (the ``exactpi`` estimator's
             TV); otherwise a second pass over the retained logits computes them if they are ever used.
@@ -171,6 +171,7 @@ def policy_stats(
         return sharded_policy_stats(
             logits, tokens, rollout, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size,
             need_sq_norm=need_sq_norm, need_exactpi=need_exactpi, response_mask=response_mask, head_weight=head_weight,
+            validate=validate,
         )
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V].")

@@ -6,21 +6,22 @@ Forward, one program per position and one read of its logits: an online log-sum-
 the final lse and take a second read. Backward of log π(a): ∂/∂z = g·(e_a − softmax(z)), one read and
 one write. The chunked torch pass (``pdmask.stats``) stays the reference and the fallback.
 
-Used by default for CUDA logits when Triton imports; ``PDMASK_TRITON=1`` forces it wherever Triton runs
-(CPU tensors under ``TRITON_INTERPRET=1``, as the tests do), ``PDMASK_TRITON=0`` turns it off.
+Opt-in with ``PDMASK_TRITON=1`` wherever Triton runs (CUDA logits; CPU tensors under ``TRITON_INTERPRET=1``, as
+the tests do): the compiled kernels have not run on a GPU yet (scripts/gpu_check.sh is their check).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 from torch import Tensor
 
 from pdmask.vocab_pass import Accumulators, Prepared
 
-#: "1": use the fused kernels wherever Triton runs; "0": never; unset: for CUDA logits when Triton imports.
+#: "1": use the fused kernels wherever Triton runs; anything else: the chunked torch pass.
 ENV = "PDMASK_TRITON"
 #: Logit dtypes the kernels read (they accumulate in float32; float64 logits take the torch pass).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -36,10 +37,12 @@ def triton_available() -> bool:
 
 
 def use_fused(logits: Tensor, prep: Prepared, head_weight: Tensor | None) -> bool:
-    """Whether ``policy_stats`` takes the fused kernels for these logits (the statistics they cover: no full μ,
-    no LM head sums, logits whose positions are rows of one stride)."""
+    """Whether ``policy_stats`` takes the fused kernels for these logits: only when ``PDMASK_TRITON=1`` asks for
+    them (opt-in until scripts/gpu_check.sh has passed on a GPU; the compiled kernels have run on none yet), and
+    only for the statistics they cover (no full μ, no LM head sums, logits whose positions are rows of one
+    stride); otherwise the chunked torch pass runs, with a warning when the kernels were asked for."""
     setting = os.environ.get(ENV, "")
-    if setting == "0" or not (logits.is_cuda or setting == "1"):
+    if setting != "1":
         return False
     if setting == "1" and not triton_available():
         raise RuntimeError(f"{ENV}=1 asks for the fused Triton kernels, but triton does not import: pip install 'pdmask[gpu]'.")
@@ -48,9 +51,14 @@ def use_fused(logits: Tensor, prep: Prepared, head_weight: Tensor | None) -> boo
             f"{ENV}=1 on {logits.device.type} logits runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
             "before triton is imported (or unset PDMASK_TRITON)."
         )
-    if not triton_available() or logits.dtype not in DTYPES or prep.full_logp is not None or head_weight is not None:
-        return False
-    return prep.n > 0 and _as_rows(logits) is not None
+    why = (
+        f"{logits.dtype} logits" if logits.dtype not in DTYPES else "a full μ" if prep.full_logp is not None
+        else "head_weight (the backbone-aware sums)" if head_weight is not None
+        else "logits whose positions are not rows of one stride" if _as_rows(logits) is None else None
+    )
+    if why is not None:
+        warnings.warn(f"{ENV}=1, but the fused Triton kernels do not cover {why}: the chunked torch pass runs.", stacklevel=3)
+    return why is None and prep.n > 0
 
 
 def _as_rows(logits: Tensor) -> Tensor | None:

@@ -24,6 +24,7 @@ CHUNK_MIN_BYTES = 1 << 20
 CHUNK_MAX_BYTES = 64 << 20
 #: On CUDA each chunk costs the same ~25 kernel launches whatever its size, so the torch pass takes bigger
 #: chunks there: up to a quarter of the logits' size, at most 2 GiB (16 chunks for 16,384 × 151,936 bf16 logits).
+#: An estimate from launch counts, not yet tuned on a GPU (scripts/gpu_check.sh measures it).
 CUDA_CHUNK_FRACTION = 0.25
 CUDA_CHUNK_MAX_BYTES = 2 << 30
 

@@ -39,7 +39,7 @@ def gather_set_logits(logits: Tensor, set_ids: Tensor, *, tp_group: dist.Process
             raise ValueError(f"set_ids holds an id outside the vocabulary [0, {shard.vocab}).")
         return shard
 
-    shard = agreed(tp_group, check, lambda s: [set_ids.numel(), s.vocab], logits)
+    shard = agreed(tp_group, check, lambda s: [s.width, set_ids.numel(), s.vocab], logits)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     owned = shard.owned(set_ids)
     z = logits.detach().gather(-1, shard.local(set_ids, 0)).to(dtype)
@@ -56,6 +56,7 @@ def stats_from_shard(
     vocab_size: int | None = None,
     sq_norm: Tensor | None = None,
     methods: Iterable[str] = (),
+    response_mask: Tensor | None = None,
 ) -> PolicyStats:
     """PolicyStats for a trainer that already has log π(a) (e.g. ``-vocab_parallel_cross_entropy``) and ‖π‖²
     (verl's ``calculate_sum_pi_squared`` / ``vocab_parallel_sum_pi_squared``): the logits at S gathered from the
@@ -69,18 +70,18 @@ def stats_from_shard(
         vocab_size: the real V (default tp·V/tp: no padding); ids of S must lie below it.
         methods: the mask methods the caller will use; raises naming those this mode cannot serve: the ones that
             sum over the vocabulary (``*_full_*``, ``pdm_backbone_*``, ``pdm_exactpi_tv``): use ``policy_stats``.
+        response_mask: [...] 0/1, as for ``policy_stats``: positions outside it may hold any padding.
     """
     from pdmask.methods import get_method
 
-    refused = [m for m in (get_method(x) for x in methods)
-               if m.info == "full" or m.estimator in HOST_REFUSED_ESTIMATORS or m.needs_exactpi]  # fmt: skip
-    if refused:
-        raise ValueError(
-            f"stats_from_shard serves the methods that need only π at S, π_R and ‖π‖²; {', '.join(m.name for m in refused)} "
-            "sum over the vocabulary: compute them with pdmask.policy_stats(logits, ..., tp_group=...)."
-        )
-
     def check() -> tuple[VocabShard, RolloutLogprobs, Tensor]:
+        refused = [m for m in (get_method(x) for x in methods)
+                   if m.info == "full" or m.estimator in HOST_REFUSED_ESTIMATORS or m.needs_exactpi]  # fmt: skip
+        if refused:
+            raise ValueError(
+                f"stats_from_shard serves the methods that need only π at S, π_R and ‖π‖²; {', '.join(m.name for m in refused)} "
+                "sum over the vocabulary: compute them with pdmask.policy_stats(logits, ..., tp_group=...)."
+            )
         if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
             raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V/tp] (this rank's shard).")
         shard = VocabShard.of(tp_group, logits.shape[-1], vocab_size)
@@ -90,19 +91,14 @@ def stats_from_shard(
         if not isinstance(logp, Tensor) or tuple(logp.shape) != shape:
             raise ValueError(f"logp must be log π(a) of shape {shape}.")
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        prep = prepare(tokens, rollout, None, shape, shard.vocab, dtype, "logits")
+        prep = prepare(tokens, rollout, response_mask, shape, shard.vocab, dtype, "logits")
         return shard, prep.rollout, prep.tokens
 
-    shard, checked, a = agreed(tp_group, check, lambda r: [r[2].numel(), r[1].k, r[0].vocab], logits)
+    shard, checked, a = agreed(tp_group, check, lambda r: [r[0].width, r[2].numel(), r[1].k, r[0].vocab], logits)
     set_ids = a.unsqueeze(-1) if checked.topk_ids is None else torch.cat([checked.topk_ids, a.unsqueeze(-1)], -1)
     set_z = gather_set_logits(logits, set_ids, tp_group=tp_group, vocab_size=shard.vocab)
     lse = set_z[..., -1] - logp.detach().to(set_z.dtype)
     return stats_from_set(logp, a, checked, set_z - lse.unsqueeze(-1), sq_norm=sq_norm, vocab_size=shard.vocab)
-
-
-#: How a host splits a sequence over its context/sequence-parallel ranks: ``contiguous`` (verl's Ulysses:
-#: rank r holds chunk r of world equal chunks) or ``load_balanced`` (Megatron's context parallelism: the
-#: sequence in 2·world chunks, rank r holding chunks r and 2·world − 1 − r, for causal attention's balance).
 
 
 __all__ = ["HOST_REFUSED_ESTIMATORS", "gather_set_logits", "stats_from_shard"]

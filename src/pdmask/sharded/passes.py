@@ -43,6 +43,7 @@ def sharded_policy_stats(
     need_exactpi: bool,
     response_mask: Tensor | None,
     head_weight: Tensor | None,
+    validate: bool,
 ) -> PolicyStats:
     """``pdmask.policy_stats`` on this rank's logits shard [..., w] (see there and the module's docstring)."""
 
@@ -51,7 +52,7 @@ def sharded_policy_stats(
             raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V/tp] (this rank's shard).")
         shard = VocabShard.of(tp_group, logits.shape[-1], vocab_size)
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        prep = _prepare(shard, tokens, rollout, response_mask, tuple(logits.shape[:-1]), dtype, "logits")
+        prep = _prepare(shard, tokens, rollout, response_mask, tuple(logits.shape[:-1]), dtype, "logits", validate)
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
         if head_weight is not None:
@@ -64,7 +65,7 @@ def sharded_policy_stats(
         return shard, prep, dtype
 
     d = None if not isinstance(head_weight, Tensor) or head_weight.dim() != 2 else head_weight.shape[1]
-    shard, prep, dtype = agreed(tp_group, check, lambda r: _signature(r[1], need_sq_norm, need_exactpi, d, r[2]), logits)
+    shard, prep, dtype = agreed(tp_group, check, lambda r: _signature(r[0], r[1], need_sq_norm, need_exactpi, d, r[2]), logits)
     rows = chunk_size or default_chunk(logits, dtype, 3 if need_exactpi else 2)
     weight = None if head_weight is None else head_weight.detach()[: shard.real].to(dtype)
     acc = _accumulators(prep, shard, need_sq_norm, need_exactpi, weight)
@@ -94,7 +95,8 @@ def sharded_policy_stats(
             set_z = torch.where(c < z.shape[1], z.gather(-1, c.clamp(max=z.shape[1] - 1)), 0.0)
             part.store(sl, m, *sums, set_z, acc.tail_product(bufs, *z.shape, v))
         part.combine(shard, acc)
-        acc.check_finite("logits", acc.set_logp[:, -1])  # log π(a), before its autograd node
+        if validate:  # log π(a), before its autograd node; the values are the same on every rank
+            acc.check_finite("logits", acc.set_logp[:, -1])
         if acc.full is not None or acc.exactpi is not None:
             acc.add_normalised_blocks(prep, blocks(bufs), bufs, prep.full_logp)
             _reduce_normalised(shard, acc)
@@ -168,6 +170,7 @@ def sharded_policy_stats_from_hidden(
     need_backbone: bool,
     block_rows: int | None,
     block_vocab: int | None,
+    validate: bool,
 ) -> PolicyStats:
     """``pdmask.policy_stats_from_hidden`` with this rank's LM head rows weight [V/tp, d] (bias [V/tp])."""
 
@@ -179,11 +182,11 @@ def sharded_policy_stats_from_hidden(
             raise ValueError(f"bias must be this rank's [V/tp] = [{shard.width}] entries of the LM head's bias.")
         real = slice(0, shard.real)
         head = _Head.checked(hidden, weight[real], None if bias is None else bias[real], temperature, block_rows, block_vocab)
-        prep = _prepare(shard, tokens, rollout, response_mask, tuple(hidden.shape[:-1]), head.dtype, "hidden states")
+        prep = _prepare(shard, tokens, rollout, response_mask, tuple(hidden.shape[:-1]), head.dtype, "hidden states", validate)
         return shard, head, prep
 
     d = hidden.shape[-1] if need_backbone and isinstance(hidden, Tensor) else None
-    shard, head, prep = agreed(tp_group, check, lambda r: _signature(r[2], need_sq_norm, need_exactpi, d, r[1].dtype), hidden)
+    shard, head, prep = agreed(tp_group, check, lambda r: _signature(r[0], r[2], need_sq_norm, need_exactpi, d, r[1].dtype), hidden)
     flat = hidden.detach().reshape(-1, hidden.shape[-1])
     acc = _accumulators(prep, shard, need_sq_norm, need_exactpi, head.weight if need_backbone else None)
     local_ids = shard.local(prep.set_ids, -1)
@@ -193,7 +196,8 @@ def sharded_policy_stats_from_hidden(
         for sl in head.row_blocks(prep.n):
             part.store(sl, *sweep_sums(head, flat[sl], local_ids[sl], acc, bufs))
         part.combine(shard, acc)
-        acc.check_finite("hidden @ weight.T logits", acc.set_logp[:, -1])
+        if validate:
+            acc.check_finite("hidden @ weight.T logits", acc.set_logp[:, -1])
         if acc.full is not None or acc.exactpi is not None:
             acc.add_normalised_blocks(prep, head.blocks(flat, head.row_blocks(prep.n), local_ids, bufs), bufs, prep.full_logp)
             _reduce_normalised(shard, acc)

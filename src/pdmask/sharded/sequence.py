@@ -7,6 +7,9 @@ from torch import Tensor
 
 from pdmask.rollout import RolloutLogprobs
 
+#: How a host splits a sequence over its context/sequence-parallel ranks: ``contiguous`` (verl's Ulysses:
+#: rank r holds chunk r of world equal chunks) or ``load_balanced`` (Megatron's context parallelism: the
+#: sequence in 2·world chunks, rank r holding chunks r and 2·world − 1 − r, for causal attention's balance).
 SEQUENCE_LAYOUTS = ("contiguous", "load_balanced")
 
 

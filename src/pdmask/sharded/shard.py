@@ -89,13 +89,14 @@ def count_traffic() -> Iterator[list[int]]:
 def agreed(
     group: dist.ProcessGroup | None, check: Callable[[], T], signature: Callable[[T], Sequence[int]], like: object
 ) -> T:
-    """``check()`` on every rank; if it raises ValueError/TypeError on any rank, every rank raises the first
-    failing rank's error. The ranks also agree on ``signature(result)`` (the sizes the collectives depend on),
-    so mismatched arguments fail with an error instead of a hang. One all-reduce of 33 integers, on the device
-    of ``like`` (the input tensor; NCCL groups reduce device tensors)."""
+    """``check()`` on every rank; if it raises on any rank, every rank raises the first failing rank's error
+    (a ValueError, TypeError or RuntimeError as raised, other exceptions as RuntimeError naming them). The ranks
+    also agree on ``signature(result)`` (the sizes the collectives depend on), so mismatched arguments fail with
+    an error instead of a hang. One all-reduce of 33 integers, on the device of ``like`` (the input tensor; NCCL
+    groups reduce device tensors), whose flag is read back: one host-device sync, whatever ``validate`` says."""
     try:
         out, error = check(), None
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # any error on one rank: the others must not wait in the collective below
         out, error = None, e
     if group is None:
         if error is not None:
@@ -110,30 +111,36 @@ def agreed(
         errors: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)), group=group)
         rank, (kind, message) = next((r, e) for r, e in enumerate(errors) if e is not None)
-        raise (TypeError if kind == "TypeError" else ValueError)(f"{message} (on rank {rank} of tp_group)")
+        known = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
+        if kind not in known:
+            message = f"{kind}: {message}"
+        raise known.get(kind, RuntimeError)(f"{message} (on rank {rank} of tp_group)")
     high, low = flags[1:17], -flags[17:]
     if not torch.equal(high, low):
         raise ValueError(
-            "the ranks of tp_group were given inputs of different sizes or options (positions, |S|, d, full μ, "
-            "dtype, need_sq_norm, need_exactpi, head): every rank must pass the same positions and options."
+            "the ranks of tp_group were given inputs of different sizes or options (shard width, positions, |S|, d, "
+            "full μ, dtype, need_sq_norm, need_exactpi, head): every rank must pass the same positions and options, "
+            "and every shard must be equally wide (Megatron pads the vocabulary so that they are)."
         )
     return out  # type: ignore[return-value]
 
 
-def _signature(prep: Prepared, need_sq_norm: bool, need_exactpi: bool, head_dim: int | None, dtype: torch.dtype) -> list[int]:
-    return [prep.n, prep.set_ids.shape[1], prep.vocab, int(prep.full_logp is not None), int(need_sq_norm),
+def _signature(
+    shard: VocabShard, prep: Prepared, need_sq_norm: bool, need_exactpi: bool, head_dim: int | None, dtype: torch.dtype
+) -> list[int]:
+    return [shard.width, prep.n, prep.set_ids.shape[1], prep.vocab, int(prep.full_logp is not None), int(need_sq_norm),
             int(need_exactpi), -1 if head_dim is None else head_dim, torch.finfo(dtype).bits]  # fmt: skip
 
 
 def _prepare(
     shard: VocabShard, tokens: Tensor, rollout: RolloutLogprobs, response_mask: Tensor | None,
-    shape: tuple[int, ...], dtype: torch.dtype, source: str,
+    shape: tuple[int, ...], dtype: torch.dtype, source: str, validate: bool = True,
 ) -> Prepared:
     """``prepare`` against the real vocabulary, with a full μ (``rollout.full_logp`` [..., V] or this rank's
     shard [..., width]) cut to this rank's real columns."""
     full = rollout.full_logp if isinstance(rollout, RolloutLogprobs) else None
     prep = prepare(tokens, rollout if full is None else replace(rollout, full_logp=None), response_mask, shape,
-                   shard.vocab, dtype, source)  # fmt: skip
+                   shard.vocab, dtype, source, validate)  # fmt: skip
     if full is None:
         return prep
     if tuple(full.shape) not in (shape + (shard.vocab,), shape + (shard.width,)):
@@ -147,16 +154,17 @@ def _prepare(
         neutral = torch.full((shard.real,), -torch.inf, dtype=local.dtype, device=local.device)
         neutral[0] = 0.0 if shard.start == 0 else -torch.inf
         local = torch.where(as_bool_mask(response_mask, shape).unsqueeze(-1), local, neutral)
-    with Checks.using(True) as checks:
-        _check_no_nan_or_pos_inf("rollout.full_logp", local, checks)
-    owned = shard.owned(prep.tokens)
-    at_a = local.gather(-1, shard.local(prep.tokens, 0).unsqueeze(-1)).squeeze(-1).to(dtype)
-    gap = torch.where(owned, (at_a - prep.rollout.logp).abs(), 0.0)
-    if (gap > 1e-3).any():
-        raise ValueError(
-            f"rollout.logp disagrees with rollout.full_logp at the sampled token by up to {gap.max().item():.3g}; "
-            "both must come from the same distribution μ."
-        )
+    with Checks.using(validate) as checks:
+        if checks is not None:
+            _check_no_nan_or_pos_inf("rollout.full_logp", local, checks)
+            owned = shard.owned(prep.tokens)
+            at_a = local.gather(-1, shard.local(prep.tokens, 0).unsqueeze(-1)).squeeze(-1).to(dtype)
+            gap = torch.where(owned, (at_a - prep.rollout.logp).abs(), 0.0)
+            checks.add(
+                (gap > 1e-3).any(),
+                lambda: f"rollout.logp disagrees with rollout.full_logp at the sampled token by up to {gap.max().item():.3g}; "
+                "both must come from the same distribution μ.",
+            )
     return replace(prep, rollout=replace(prep.rollout, full_logp=local), full_logp=local.reshape(prep.n, shard.real))
 
 
