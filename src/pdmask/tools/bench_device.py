@@ -8,7 +8,7 @@ CPU) after a warm-up, median of the repeats, with its peak memory above the inpu
   P          ``log_softmax(logits.float())`` + gather of log π(a): what a trainer runs without pdmask
   C          ``torch.compile`` of the same statistics as dense torch (lse, log π at S, π_R, Q)
   dppo_topk / pdm_proportional / pdm_exactpi   ``pdmask.policy_stats`` as each method calls it (forward;
-             on CUDA the fused Triton kernels when Triton imports), and pdm_proportional_torch: the chunked torch pass
+             the fused Triton kernels when Triton runs there), and pdm_proportional_torch: the chunked torch pass
   backward   forward + backward of Σ g·log π(a) through ``policy_stats`` (ratio to RW); backward_torch: torch pass
 and from hidden states h [N, d] with the LM head W [V, d]:
   M          one ``h @ W.T`` in the inputs' dtype
@@ -33,7 +33,7 @@ from pdmask.hidden import policy_stats_from_hidden
 from pdmask.jsonio import dumps
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import policy_stats
-from pdmask.triton_pass import ENV
+from pdmask.triton_pass import ENV, triton_available
 
 #: Which floor each path is a ratio to.
 BASELINE = {
@@ -86,6 +86,9 @@ def logits_paths(logits: Tensor, tokens: Tensor, rollout: RolloutLogprobs) -> di
     grad_in = logits.detach().requires_grad_(True)
     weights = torch.randn(tokens.shape, device=logits.device)
 
+    # The fused kernels where they can run (CUDA, or Triton's interpreter); the torch pass otherwise.
+    fused = "1" if triton_available() and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") else "0"
+
     def backward():
         stats = policy_stats(grad_in, tokens, rollout, validate=False)
         return torch.autograd.grad((weights * stats.logp).sum(), grad_in)
@@ -95,19 +98,19 @@ def logits_paths(logits: Tensor, tokens: Tensor, rollout: RolloutLogprobs) -> di
         "RW": lambda: logits.clone(),
         "P": lambda: torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]),
         "C": lambda: compiled(logits, set_ids),
-        "dppo_topk": lambda: policy_stats(logits, tokens, rollout, need_sq_norm=False, validate=False),
-        "pdm_proportional": lambda: policy_stats(logits, tokens, rollout, validate=False),
-        "pdm_exactpi": lambda: policy_stats(logits, tokens, rollout, need_exactpi=True, validate=False),
-        "pdm_proportional_torch": lambda: _torch_pass(lambda: policy_stats(logits, tokens, rollout, validate=False)),
-        "backward": backward,
-        "backward_torch": lambda: _torch_pass(backward),
+        "dppo_topk": lambda: _on(fused, lambda: policy_stats(logits, tokens, rollout, need_sq_norm=False, validate=False)),
+        "pdm_proportional": lambda: _on(fused, lambda: policy_stats(logits, tokens, rollout, validate=False)),
+        "pdm_exactpi": lambda: _on(fused, lambda: policy_stats(logits, tokens, rollout, need_exactpi=True, validate=False)),
+        "pdm_proportional_torch": lambda: _on("0", lambda: policy_stats(logits, tokens, rollout, validate=False)),
+        "backward": lambda: _on(fused, backward),
+        "backward_torch": lambda: _on("0", backward),
     }
 
 
-def _torch_pass(fn: Callable[[], object]) -> object:
-    """fn() with the fused Triton kernels off (the chunked torch pass), whatever the environment says."""
+def _on(setting: str, fn: Callable[[], object]) -> object:
+    """fn() with ``PDMASK_TRITON=setting`` ("1": the fused Triton kernels, "0": the chunked torch pass)."""
     saved = os.environ.get(ENV)
-    os.environ[ENV] = "0"
+    os.environ[ENV] = setting
     try:
         return fn()
     finally:
