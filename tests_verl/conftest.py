@@ -116,3 +116,20 @@ def loss_capturing_stats(loss_fn, output, data):
     finally:
         losses.masked_policy_loss = real
     return loss, seen
+
+
+def spawn_ranks(worker, world, *args, timeout=300):
+    """worker(rank, *args) in ``world`` spawned processes; fails unless every rank exits 0 within ``timeout`` s."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0] * world, f"worker exit codes {codes} (a failing rank prints its traceback above)"

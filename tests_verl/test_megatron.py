@@ -19,9 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import DELTA, TAU, K, actor_config, engine_data, loss_capturing_stats
+from conftest import DELTA, TAU, K, actor_config, engine_data, loss_capturing_stats, spawn_ranks
 
 pytest.importorskip("megatron.core", reason="the Megatron path needs megatron-core (pip install megatron-core)")
 
@@ -132,17 +131,7 @@ def _spawn(batch, tp: int, cp: int, data_format: str, method: str) -> None:
         if world == 1:
             _worker(0, *args)
             return
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=300)
-        codes = [p.exitcode for p in procs]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        assert codes == [0] * world, f"worker exit codes {codes} (a failing rank prints its traceback above)"
+        spawn_ranks(_worker, world, *args)
 
 
 @pytest.mark.parametrize("data_format", ["thd", "bshd"])

@@ -16,9 +16,8 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import DELTA, K, actor_config, engine_data, loss_capturing_stats
+from conftest import DELTA, K, actor_config, engine_data, loss_capturing_stats, spawn_ranks
 
 SP = 2
 
@@ -113,14 +112,4 @@ def test_ulysses_size_2_masks_equal_size_1(rollout_batch):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "batch.pt")
         torch.save({"batch": dict(batch), "table": table}, path)
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "store"), path)) for r in range(SP)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=300)
-        codes = [p.exitcode for p in procs]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        assert codes == [0] * SP, f"worker exit codes {codes} (a failing rank prints its traceback above)"
+        spawn_ranks(_worker, SP, os.path.join(tmp, "store"), path)
