@@ -12,9 +12,11 @@ the tests do): the compiled kernels have not run on a GPU yet (scripts/gpu_check
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -41,12 +43,11 @@ def use_fused(logits: Tensor, prep: Prepared, head_weight: Tensor | None) -> boo
     them (opt-in until scripts/gpu_check.sh has passed on a GPU; the compiled kernels have run on none yet), and
     only for the statistics they cover (no full μ, no LM head sums, logits whose positions are rows of one
     stride); otherwise the chunked torch pass runs, with a warning when the kernels were asked for."""
-    setting = os.environ.get(ENV, "")
-    if setting != "1":
+    if os.environ.get(ENV, "") != "1":
         return False
-    if setting == "1" and not triton_available():
+    if not triton_available():
         raise RuntimeError(f"{ENV}=1 asks for the fused Triton kernels, but triton does not import: pip install 'pdmask[gpu]'.")
-    if setting == "1" and not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernels_run_on(logits.device):
         raise RuntimeError(
             f"{ENV}=1 on {logits.device.type} logits runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
             "before triton is imported (or unset PDMASK_TRITON)."
@@ -59,6 +60,25 @@ def use_fused(logits: Tensor, prep: Prepared, head_weight: Tensor | None) -> boo
     if why is not None:
         warnings.warn(f"{ENV}=1, but the fused Triton kernels do not cover {why}: the chunked torch pass runs.", stacklevel=3)
     return why is None and prep.n > 0
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the fused kernels can run on ``device``: compiled on CUDA, in Triton's interpreter elsewhere."""
+    return triton_available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@contextlib.contextmanager
+def kernels_switched(setting: str) -> Iterator[None]:
+    """``PDMASK_TRITON=setting`` inside the block ("1": the fused kernels, "0": the torch pass), as it was after."""
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = setting
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 def _as_rows(logits: Tensor) -> Tensor | None:

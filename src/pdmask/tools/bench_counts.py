@@ -9,7 +9,6 @@ gets (``pdmask.vocab_pass.chunk_rows``). The fused Triton pass launches the same
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import torch
 from pdmask.loss import policy_loss
 from pdmask.stats import policy_stats
 from pdmask.tools.counts import count
-from pdmask.triton_pass import ENV, triton_available
+from pdmask.triton_pass import kernels_run_on, kernels_switched
 from pdmask.vocab_pass import chunk_rows
 
 #: The small case the counts are taken on: positions, vocabulary, K.
@@ -72,9 +71,7 @@ def launch_rows(vocab: int, positions: int, dtype: torch.dtype) -> list[LaunchRo
     n = SMALL[0]
     logit_bytes = positions * vocab * torch.tensor([], dtype=dtype).element_size()
     rows = []
-    saved = os.environ.get(ENV)
-    try:
-        os.environ[ENV] = "0"
+    with kernels_switched("0"):
         for exactpi in (False, True):
             (f1, b1), (f2, b2) = _fwd_bwd(n, exactpi), _fwd_bwd(n // 2, exactpi)
             fixed_f, per_f, fixed_b, per_b = 2 * f1 - f2, f2 - f1, 2 * b1 - b2, b2 - b1
@@ -82,16 +79,11 @@ def launch_rows(vocab: int, positions: int, dtype: torch.dtype) -> list[LaunchRo
                 chunks = math.ceil(positions / chunk_rows(logit_bytes, vocab, torch.float32, 3 if exactpi else 2, device))
                 rows.append(LaunchRow(f"torch ({device} chunks)", exactpi, fixed_f, per_f, fixed_b, per_b, chunks,
                                       fixed_f + per_f * chunks, fixed_b + per_b * chunks))  # fmt: skip
-        if triton_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-            os.environ[ENV] = "1"
+    if kernels_run_on(torch.device("cpu")):  # the small case's logits are on the CPU: Triton's interpreter
+        with kernels_switched("1"):
             for exactpi in (False, True):
                 f, b = _fwd_bwd(None, exactpi)
                 rows.append(LaunchRow("fused triton", exactpi, f, 0, b, 0, 1, f, b))
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
     return rows
 
 

@@ -20,7 +20,6 @@ hidden forward ≤ 1.3 M.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from pdmask.hidden import policy_stats_from_hidden
 from pdmask.jsonio import dumps
 from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import policy_stats
-from pdmask.triton_pass import ENV, triton_available
+from pdmask.triton_pass import kernels_run_on, kernels_switched
 
 #: Which floor each path is a ratio to.
 BASELINE = {
@@ -87,7 +86,7 @@ def logits_paths(logits: Tensor, tokens: Tensor, rollout: RolloutLogprobs) -> di
     weights = torch.randn(tokens.shape, device=logits.device)
 
     # The fused kernels where they can run (CUDA, or Triton's interpreter); the torch pass otherwise.
-    fused = "1" if triton_available() and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") else "0"
+    fused = "1" if kernels_run_on(logits.device) else "0"
 
     def backward():
         stats = policy_stats(grad_in, tokens, rollout, validate=False)
@@ -109,15 +108,8 @@ def logits_paths(logits: Tensor, tokens: Tensor, rollout: RolloutLogprobs) -> di
 
 def _on(setting: str, fn: Callable[[], object]) -> object:
     """fn() with ``PDMASK_TRITON=setting`` ("1": the fused Triton kernels, "0": the chunked torch pass)."""
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = setting
-    try:
+    with kernels_switched(setting):
         return fn()
-    finally:
-        if saved is None:
-            del os.environ[ENV]
-        else:
-            os.environ[ENV] = saved
 
 
 def hidden_paths(
