@@ -179,8 +179,7 @@ def policy_stats(
         raise ValueError(f"logits has shape {tuple(logits.shape)}; expected [..., V] with V >= 2.")
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     prep = prepare(tokens, rollout, response_mask, tuple(logits.shape[:-1]), logits.shape[-1], dtype, "logits", validate)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
+    check_chunk_size(chunk_size)
     rows = chunk_size or default_chunk(logits, dtype, 3 if need_exactpi else 2)
     check_head_weight(head_weight, logits.shape[-1], logits.device)
     source = logits.detach()
@@ -296,13 +295,20 @@ def assemble(prep: Prepared, acc: Accumulators, logp: Tensor) -> PolicyStats:
     return stats
 
 
-def check_head_weight(weight: Tensor | None, vocab: int, device: torch.device) -> None:
-    """Raises unless ``weight`` is None or the [V, d] floating-point LM head of a V-token vocabulary on ``device``."""
+def check_chunk_size(chunk_size: object) -> None:
+    """Raises unless ``chunk_size`` is None or a positive int."""
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
+
+
+def check_head_weight(weight: Tensor | None, vocab: int, device: torch.device, rows: str = "V") -> None:
+    """Raises unless ``weight`` is None or the [rows, d] floating-point LM head (its rows for the logits' ``vocab``
+    columns: the whole vocabulary, or under tensor parallelism this rank's shard) on ``device``."""
     if weight is None:
         return
     if not isinstance(weight, Tensor) or not weight.is_floating_point() or weight.dim() != 2 or weight.shape[0] != vocab:
         shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
-        raise ValueError(f"head_weight must be the LM head's floating-point [V, d] weight with V = {vocab}, got {shape}.")
+        raise ValueError(f"head_weight must be the LM head's floating-point [{rows}, d] weight with {rows} = {vocab}, got {shape}.")
     if weight.device != device:
         raise ValueError(f"head_weight is on {weight.device} but the logits are on {device}; put them on one device.")
 

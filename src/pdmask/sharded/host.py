@@ -12,6 +12,7 @@ from pdmask.rollout import RolloutLogprobs
 from pdmask.sharded.shard import (
     VocabShard,
     agreed,
+    shard_of,
 )
 from pdmask.stats import PolicyStats, stats_from_set
 from pdmask.vocab_pass import (
@@ -29,9 +30,7 @@ def gather_set_logits(logits: Tensor, set_ids: Tensor, *, tp_group: dist.Process
     Every rank must call it with the same set_ids; ids must lie in [0, vocab_size)."""
 
     def check() -> VocabShard:
-        if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
-            raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V/tp] (this rank's shard).")
-        shard = VocabShard.of(tp_group, logits.shape[-1], vocab_size)
+        shard = shard_of(logits, tp_group, vocab_size)
         if tuple(set_ids.shape[:-1]) != tuple(logits.shape[:-1]):
             lead = tuple(logits.shape[:-1])
             raise ValueError(f"set_ids has shape {tuple(set_ids.shape)}; expected the logits' leading shape {lead} + (C,).")
@@ -82,9 +81,7 @@ def stats_from_shard(
                 f"stats_from_shard serves the methods that need only π at S, π_R and ‖π‖²; {', '.join(m.name for m in refused)} "
                 "sum over the vocabulary: compute them with pdmask.policy_stats(logits, ..., tp_group=...)."
             )
-        if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
-            raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V/tp] (this rank's shard).")
-        shard = VocabShard.of(tp_group, logits.shape[-1], vocab_size)
+        shard = shard_of(logits, tp_group, vocab_size)
         if not isinstance(rollout, RolloutLogprobs) or rollout.full_logp is not None:
             raise ValueError("stats_from_shard takes a binary or top-K RolloutLogprobs (no full_logp).")
         shape = tuple(logits.shape[:-1])

@@ -19,8 +19,9 @@ from pdmask.sharded.shard import (
     _reduce_normalised,
     _signature,
     agreed,
+    shard_of,
 )
-from pdmask.stats import PolicyStats, assemble
+from pdmask.stats import PolicyStats, assemble, check_chunk_size, check_head_weight
 from pdmask.vocab_pass import (
     Block,
     Buffers,
@@ -48,20 +49,11 @@ def sharded_policy_stats(
     """``pdmask.policy_stats`` on this rank's logits shard [..., w] (see there and the module's docstring)."""
 
     def check() -> tuple[VocabShard, Prepared, torch.dtype]:
-        if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
-            raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V/tp] (this rank's shard).")
-        shard = VocabShard.of(tp_group, logits.shape[-1], vocab_size)
+        shard = shard_of(logits, tp_group, vocab_size)
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         prep = _prepare(shard, tokens, rollout, response_mask, tuple(logits.shape[:-1]), dtype, "logits", validate)
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
-        if head_weight is not None:
-            if not isinstance(head_weight, Tensor) or not head_weight.is_floating_point() or head_weight.dim() != 2 \
-                    or head_weight.shape[0] != shard.width:  # fmt: skip
-                got = tuple(head_weight.shape) if isinstance(head_weight, Tensor) else type(head_weight).__name__
-                raise ValueError(f"head_weight must be this rank's [V/tp, d] rows of the LM head with V/tp = {shard.width}, got {got}.")
-            if head_weight.device != logits.device:
-                raise ValueError(f"head_weight is on {head_weight.device} but the logits are on {logits.device}.")
+        check_chunk_size(chunk_size)
+        check_head_weight(head_weight, shard.width, logits.device, rows="V/tp")
         return shard, prep, dtype
 
     d = None if not isinstance(head_weight, Tensor) or head_weight.dim() != 2 else head_weight.shape[1]

@@ -75,6 +75,13 @@ class VocabShard:
 _TRAFFIC: list[list[int]] = []
 
 
+def shard_of(logits: object, group: dist.ProcessGroup | None, vocab_size: int | None) -> VocabShard:
+    """This rank's ``VocabShard`` of floating-point logits [..., V/tp] (raises on anything else)."""
+    if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        raise TypeError("logits must be a floating-point torch.Tensor of shape [..., V/tp] (this rank's shard).")
+    return VocabShard.of(group, logits.shape[-1], vocab_size)
+
+
 @contextlib.contextmanager
 def count_traffic() -> Iterator[list[int]]:
     """Records the bytes of every all-reduce pdmask's sharded functions make in this process (a list of sizes)."""
@@ -256,4 +263,4 @@ def _lazy_exactpi(stats: PolicyStats, shard: VocabShard, run: Callable[[], Tenso
         stats.exactpi_pass = lambda: shard.all_reduce(run())
 
 
-__all__ = ["VocabShard", "agreed", "count_traffic"]
+__all__ = ["VocabShard", "agreed", "count_traffic", "shard_of"]
