@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI for pdmask.integrations.verl: its own virtual environment (verl pins transformers), the verl tests, the CPU smoke,
 # and verl's own trainer end to end on CPU (examples/verl_cpu_e2e.sh: Ray, pdmask's top-K vLLM server, TransferQueue,
-# PDMLoss, the weight sync into vLLM after each update, a checkpoint and a resumed step).
+# PDMLoss, the weight sync into vLLM after each update, a checkpoint and a resumed step), once in one actor process and
+# once with Ulysses sequence parallelism over two.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
@@ -20,3 +21,4 @@ python -m pytest -q -p no:cacheprovider tests_verl
 python -m pytest -q -p no:cacheprovider tests_peer
 python examples/verl_cpu_smoke.py
 bash examples/verl_cpu_e2e.sh
+SP=2 bash examples/verl_cpu_e2e.sh

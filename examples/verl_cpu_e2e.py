@@ -2,7 +2,9 @@
 
     python examples/verl_cpu_e2e.py prepare DIR            # DIR/model (random Llama + tokenizer), DIR/{train,val}.parquet,
                                                            # DIR/shim (the `vllm` distribution record, see below)
-    python examples/verl_cpu_e2e.py check DIR K LOG...     # the checks on the record and verl's console log
+    python examples/verl_cpu_e2e.py check DIR K SP LOSS_MODE LOG...
+                                                           # the checks on the record, the step-2 checkpoint and
+                                                           # verl's console log (SP: the run's Ulysses size)
 
 verl imports this file for the reward (``reward.custom_reward_function.path``), so it imports nothing heavy
 at the top.
@@ -20,6 +22,8 @@ from typing import Any
 PROMPTS, VOCAB = 32, 512
 #: verl's console logger writes one line per step: "step:N - key:value - key:value ...".
 STEP_LINE = re.compile(r"step:(\d+) - (.*)")
+#: The statistics the masks are computed from, compared with one process's after the resumed run.
+STATS = ("set_logp", "rest_mass", "sq_norm")
 #: The metrics each step must log (pdmask's, under verl's actor prefix).
 STEP_METRICS = ("actor/pdmask/mask/dropped_frac", "actor/pg_clipfrac", "actor/pdmask/div/mean", "actor/pdmask/div/p90")
 
@@ -73,9 +77,10 @@ def step_metrics(logs: list[str]) -> dict[int, dict[str, float]]:
     return steps
 
 
-def check(folder: str, top_k: int, logs: list[str]) -> None:
+def check(folder: str, top_k: int, sp: int, method: str, logs: list[str]) -> None:
     """Fails (AssertionError) unless μ's top K reached PDMLoss as the server sent it, aligned with the response,
-    and every step logged pdmask's metrics; prints one line per step and the last step's metrics."""
+    μ moved with the weights, PDMLoss's statistics (at Ulysses size ``sp``) equal one process's forward of the
+    checkpoint, and every step logged pdmask's metrics; prints one line per step and the last step's metrics."""
     from pdmask.testing.verl_record import load
 
     server = {tuple(r["prompt"] + r["tokens"]): r for r in load(Path(folder) / "record", "server")}
@@ -97,6 +102,7 @@ def check(folder: str, top_k: int, logs: list[str]) -> None:
             assert abs(row["logp"][t] - sent["logps"][t][a]) < 1e-6, "log μ(a) differs"
         matched += 1
     moved = mu_moved(folder, list(server.values()))
+    size_one = resumed_stats_match(folder, sp, method, seen)
     steps = step_metrics(logs)
     assert steps, "no step line in verl's console log"
     for step, metrics in sorted(steps.items()):
@@ -110,12 +116,13 @@ def check(folder: str, top_k: int, logs: list[str]) -> None:
     lengths = sorted({len(row["targets"]) for row in seen})
     print(
         f"checked: {matched} responses' μ top K (K = {top_k}) at PDMLoss equal the vLLM server's, token by token "
-        f"(response lengths {lengths[0]}–{lengths[-1]} tokens)"
+        f"(response lengths {lengths[0]}–{lengths[-1]} tokens; each of the {sp} Ulysses rank(s) packs every response)"
     )
     print(
         "μ vs the initial policy (max |Δ log μ| over the top K, by the weights' step the server reported): "
         + ", ".join(f"step {k}: {v:.2e}" for k, v in moved.items())
     )
+    print(size_one)
     last = max(steps)
     print(f"final metrics (step {last}): " + " - ".join(f"{k}:{v:.4g}" for k, v in sorted(steps[last].items())))
 
@@ -149,6 +156,72 @@ def mu_moved(folder: str, answers: list[dict[str, Any]]) -> dict[Any, float]:
     return ordered
 
 
+def resumed_stats_match(folder: str, sp: int, method: str, seen: list[dict[str, Any]]) -> str:
+    """Step 3's first micro-batch (the resumed run, before its first update: the step-2 checkpoint's weights) at
+    PDMLoss, its ``sp`` ranks' slices put together, against ``pdmask.policy_stats`` on one process's float32 forward
+    of that checkpoint: the statistics every mask is computed from, to 1e-4. (The batch is on-policy, so its masks
+    keep every token; the masks with work to do are compared in tests_verl/test_sequence_parallel.py.) Returns the
+    line to print."""
+    import torch
+
+    import pdmask
+    from pdmask.integrations.verl.topk import stats_fields
+    from pdmask.testing.verl_record import load
+
+    first = [r for r in load(Path(folder) / "record", "processor") if r["run"] == "3" and r["call"] == 0]
+    assert {r["sp"] for r in first} == {sp}, f"PDMLoss ran at Ulysses sizes {sorted({r['sp'] for r in first})}, not {sp}"
+    ranks = sorted(first, key=lambda r: r["sp_rank"])
+    assert [r["sp_rank"] for r in ranks] == list(range(sp)), f"Ulysses ranks {[r['sp_rank'] for r in ranks]} recorded"
+    assert all(r["input_ids"] == ranks[0]["input_ids"] for r in ranks), "the Ulysses ranks held different micro-batches"
+    ids, offsets = ranks[0]["input_ids"], ranks[0]["offsets"]
+    local = len(next(iter(ranks[0]["outputs"].values())))
+    assert local == -(-len(ids) // sp), f"a rank's logits cover {local} of {len(ids)} packed tokens at Ulysses size {sp}"
+    outputs = {k: torch.tensor(sum((r["outputs"][k] for r in ranks), []))[: len(ids)] for k in ranks[0]["outputs"]}
+    model = checkpoint_model(folder, "global_step_2")
+    rows = {tuple(r["sequence"]): r for r in seen}
+    worst, tokens, needs_exactpi = 0.0, 0, pdmask.get_method(method.removeprefix("pdmask_")).needs_exactpi
+    for start, end in zip(offsets, offsets[1:]):
+        row = rows[tuple(ids[start:end])]
+        r = len(row["targets"])
+        if r == 0:
+            continue
+        at = torch.arange(end - r - 1, end - 1)  # the packed positions whose logits predict the response
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[start:end]])).logits[:, end - start - r - 1 : end - start - 1].float()
+        mu = pdmask.RolloutLogprobs(
+            torch.tensor([row["logp"]]), torch.tensor([row["topk_ids"]]), torch.tensor([row["topk_logps"]])
+        )
+        ref = pdmask.policy_stats(logits, torch.tensor([row["targets"]]), mu, need_sq_norm=True, need_exactpi=needs_exactpi)
+        got = stats_fields({k: v[at].unsqueeze(0) for k, v in outputs.items()})
+        for name in STATS:
+            worst = max(worst, (got[name].float() - getattr(ref, name)).abs().max().item())
+        tokens += r
+    assert tokens and worst < 1e-4, f"PDMLoss's statistics differ from one process's by {worst:.2e}"
+    return (
+        f"step 3's first micro-batch at PDMLoss (Ulysses size {sp}, {len(ids)} packed tokens, {local} a rank) vs one "
+        f"process on the step-2 checkpoint: {', '.join(STATS)} max |Δ| {worst:.1e} over {tokens} response tokens"
+    )
+
+
+def checkpoint_model(folder: str, step: str) -> Any:
+    """The actor of verl's FSDP2 checkpoint ``step`` as one float32 Hugging Face model: each parameter's shards put
+    together along the dimension FSDP split (verl's own merger, ``verl.model_merger``, casts to bfloat16)."""
+    import torch
+    from torch.distributed.tensor import Shard
+    from transformers import AutoModelForCausalLM
+
+    actor = Path(folder) / "ckpt" / step / "actor"
+    files = sorted(actor.glob("model_world_size_*_rank_*.pt"), key=lambda f: int(f.stem.rsplit("_", 1)[1]))
+    parts = [torch.load(f, weights_only=False, map_location="cpu") for f in files]
+    state = {}
+    for key, param in parts[0].items():
+        split = next((p.dim for p in param.placements if isinstance(p, Shard)), None)
+        state[key] = param.to_local() if split is None else torch.cat([part[key].to_local() for part in parts], split)
+    model = AutoModelForCausalLM.from_pretrained(Path(folder) / "model", dtype=torch.float32, attn_implementation="eager")
+    model.load_state_dict(state)
+    return model.eval()
+
+
 def _is_float(text: str) -> bool:
     try:
         float(text)
@@ -161,6 +234,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "prepare":
         prepare(sys.argv[2])
     elif sys.argv[1] == "check":
-        check(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+        check(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:])
     else:
         raise SystemExit(__doc__)

@@ -2,29 +2,34 @@
 # verl's own trainer (python -m verl.trainer.main_ppo, unchanged) with a top-K predictive mask on CPU: Ray, pdmask's
 # top-K vLLM server (a real CPU vLLM engine), the pdmask_topk_single_turn agent loop, TransferQueue, verl's FSDP2
 # actor with PDMLoss, verl's weight sync into vLLM after every update (on the CPU through pdmask's host-tensor
-# transfer, pdmask.integrations.verl.cpu_weights), a checkpoint at step 2 and a resumed step 3. Exit status 0 when the run and the checks pass; prints each step's
+# transfer, pdmask.integrations.verl.cpu_weights), a checkpoint at step 2 and a resumed step 3; with SP=2, Ulysses
+# sequence parallelism over two actor processes. Exit status 0 when the run and the checks pass; prints each step's
 # metrics and the final metrics line. Environment: .ci/verl.sh (install lines in docs/verl.md).
-#   bash examples/verl_cpu_e2e.sh [WORKDIR]      (default: a temporary folder, removed at the end)
+#   [SP=2] bash examples/verl_cpu_e2e.sh [WORKDIR]      (default: a temporary folder, removed at the end)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOSS_MODE=${LOSS_MODE:-pdmask_pdm_aggregated_kl}   # any top-K pdmask method: pdmask_pdm_*, pdmask_dppo_topk_*
 K=${K:-8}                                          # μ's top K per token, from vLLM to the loss
+SP=${SP:-1}                                        # Ulysses sequence-parallel size: SP actor processes in one group
 WORK=${1:-}
 if [[ -z "$WORK" ]]; then WORK="$(mktemp -d)"; trap 'rm -rf "$WORK"' EXIT; fi
 mkdir -p "$WORK"
 
 # The CPU shim (docs/verl.md): pdmask's verl platform in every process (Ray workers inherit the environment), verl's
 # FSDP engine class (registered for cuda/npu only, device-agnostic) and vLLM's CPU KV cache size (GiB); below, logical
-# Ray GPUs as worker slots, the workers' gloo group, SDPA attention, vLLM without sleep mode.
+# Ray GPUs as worker slots, the workers' gloo group, SDPA attention (pdmask's packed-sequence attention with verl's
+# Ulysses all-to-all when SP > 1, pdmask.integrations.verl.cpu_attention), vLLM without sleep mode.
 export VERL_PLATFORM=pdmask_cpu VERL_ENGINE_DEVICE=cuda VLLM_CPU_KVCACHE_SPACE=1
 export PDMASK_VERL_RECORD="$WORK/record"           # the server and PDMLoss record μ's top K for the checks
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 python examples/verl_cpu_e2e.py prepare "$WORK"
 export PYTHONPATH="$WORK/shim${PYTHONPATH:+:$PYTHONPATH}"   # the `vllm` distribution record prepare wrote, if needed
 
+if [[ "$SP" == 1 ]]; then ATTENTION=sdpa; else ATTENTION=pdmask_cpu_varlen; fi
+
 train() {  # train STEPS LOG: verl's entry point, resuming from $WORK/ckpt when a checkpoint is there
   local start=$SECONDS
-  timeout 900 python -m verl.trainer.main_ppo \
+  PDMASK_VERL_RUN="$1" timeout 900 python -m verl.trainer.main_ppo \
     trainer.v1.trainer_mode=pdmask_sync \
     algorithm.adv_estimator=grpo \
     algorithm.rollout_correction.bypass_mode=True \
@@ -38,7 +43,8 @@ train() {  # train STEPS LOG: verl's entry point, resuming from $WORK/ckpt when 
     actor_rollout_ref.model.path="$WORK/model" \
     actor_rollout_ref.model.use_remove_padding=True \
     actor_rollout_ref.model.use_fused_kernels=False \
-    +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
+    +actor_rollout_ref.model.override_config.attn_implementation="$ATTENTION" \
+    actor_rollout_ref.actor.ulysses_sequence_parallel_size="$SP" \
     actor_rollout_ref.actor.strategy=fsdp2 \
     actor_rollout_ref.actor.optim.lr=1e-2 \
     actor_rollout_ref.actor.ppo_mini_batch_size=2 \
@@ -73,7 +79,7 @@ train() {  # train STEPS LOG: verl's entry point, resuming from $WORK/ckpt when 
     reward.custom_reward_function.name=compute_score \
     transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
     trainer.device=cpu \
-    trainer.n_gpus_per_node=1 \
+    trainer.n_gpus_per_node="$SP" \
     trainer.nnodes=1 \
     trainer.total_training_steps="$1" \
     trainer.save_freq=2 \
@@ -86,7 +92,7 @@ train() {  # train STEPS LOG: verl's entry point, resuming from $WORK/ckpt when 
     trainer.resume_mode=auto \
     hydra.run.dir="$WORK/hydra" \
     ray_kwargs.ray_init.num_cpus=8 \
-    +ray_kwargs.ray_init.num_gpus=1 \
+    +ray_kwargs.ray_init.num_gpus="$SP" \
     +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pdmask.testing.verl_record.worker_setup \
     +ray_kwargs.ray_init.include_dashboard=False >"$2" 2>&1 || { tail -n 60 "$2"; echo "verl run failed: see $2" >&2; return 1; }
   echo "verl run to step $1: $((SECONDS - start)) s"
@@ -96,4 +102,4 @@ train 2 "$WORK/run1.log"                               # steps 1 and 2; checkpoi
 test -d "$WORK/ckpt/global_step_2/actor" || { echo "no checkpoint at step 2 in $WORK/ckpt" >&2; exit 1; }
 train 3 "$WORK/run2.log"                               # a new process: resumes from step 2, runs step 3
 grep -q "Resuming from .*global_step_2" "$WORK/run2.log" || { echo "run 2 did not resume from step 2" >&2; exit 1; }
-python examples/verl_cpu_e2e.py check "$WORK" "$K" "$WORK/run1.log" "$WORK/run2.log"
+python examples/verl_cpu_e2e.py check "$WORK" "$K" "$SP" "$LOSS_MODE" "$WORK/run1.log" "$WORK/run2.log"

@@ -3,7 +3,7 @@
     python scripts/verl_logits_memory.py MODE [fsdp|fsdp2]   (MODE: topk | binary | fused | hidden_stats | logits_stats)
 
 Each MODE runs in a fresh process (peak RSS only grows): a random 2-layer Llama with a large vocabulary
-(V = 32,768, d = 64), 8 sequences of 256 tokens, float32, world size 1. ``topk``: ``PDMLoss``
+(V = 32,768, d = 64, LM head tied to the embedding), 8 sequences of 256 tokens, float32, world size 1. ``topk``: ``PDMLoss``
 (``pdm_aggregated_kl``) through the logits-processor hook; ``binary``: verl's ``ppo_loss`` with
 ``pdmask_dppo_binary_kl`` on the same materialised logits; ``fused``: the same binary loss with
 ``use_fused_kernels=True`` (verl's torch backend; no [N, V] logits); ``hidden_stats`` / ``logits_stats``:
@@ -70,7 +70,9 @@ def main(mode: str) -> None:
 
     from conftest import DELTA, TAU, actor_config, engine_data
 
-    model_dir = save_tiny_llama(tempfile.mkdtemp(), vocab_size=VOCAB, hidden_size=HIDDEN)
+    # Tied embeddings: verl 0.9.1 shards an untied LM head as its own FSDP2 unit (``_select_fsdp2_wrap_targets``),
+    # which its fused forward never calls, so the head's weight stays a DTensor there and the fused path fails.
+    model_dir = save_tiny_llama(tempfile.mkdtemp(), vocab_size=VOCAB, hidden_size=HIDDEN, tied=True)
     batch, model, hidden = batch_for(model_dir)
     fused = mode == "fused"
     if mode in ("hidden_stats", "logits_stats"):

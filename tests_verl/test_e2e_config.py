@@ -129,17 +129,24 @@ def test_bad_input_is_one_line_before_the_first_step(topk_config, case):
     assert fix in str(err.value) and "\n" not in str(err.value)
 
 
-def test_ulysses_passes_the_check_but_not_on_the_cpu(topk_config, monkeypatch):
-    """Ulysses sequence parallelism works with PDMLoss (tests_verl/test_sequence_parallel.py); on pdmask's CPU
-    platform verl's Ulysses attention cannot run (it patches flash-attn only), so the check refuses it there."""
+def test_ulysses_needs_attention_that_gathers_the_sequence(topk_config, monkeypatch):
+    """verl's Ulysses all-to-all is in its flash-attn patch; any other attention (sdpa, eager) would silently attend
+    within this rank's slice. On pdmask's CPU platform flash-attn is absent and pdmask's CPU attention stands in."""
     from pdmask.integrations.verl import trainer
 
     config = changed(topk_config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 2)
+    sdpa = changed(config, "actor_rollout_ref.model.override_config", {"attn_implementation": "sdpa"})
+    cpu = changed(config, "actor_rollout_ref.model.override_config", {"attn_implementation": "pdmask_cpu_varlen"})
     monkeypatch.setattr(trainer, "on_cpu_platform", lambda: False)  # in-process tests may have chosen CPUPlatform
-    trainer.check_topk_config(config)
+    trainer.check_topk_config(config)  # verl's default, flash_attention_2
+    trainer.check_topk_config(cpu)
+    with pytest.raises(ValueError, match="attn_implementation=flash_attention_2 .*sdpa does not\\)"):
+        trainer.check_topk_config(sdpa)
     monkeypatch.setattr(trainer, "on_cpu_platform", lambda: True)
-    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=1 .*flash-attn"):
-        trainer.check_topk_config(config)
+    trainer.check_topk_config(cpu)
+    for bad in (config, sdpa):
+        with pytest.raises(ValueError, match="attn_implementation=pdmask_cpu_varlen .* on the CPU"):
+            trainer.check_topk_config(bad)
 
 
 def test_megatron_tensor_parallelism_is_accepted(topk_config):

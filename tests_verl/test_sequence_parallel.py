@@ -1,11 +1,10 @@
 """Ulysses sequence parallelism in verl's FSDP engine, with real torch.distributed (gloo, 2 processes).
 
-Each process runs verl's own ``FSDPEngineWithLMHead.prepare_model_inputs`` (the packed sequence padded and
-sliced by rank) and ``prepare_model_outputs`` (``PDMLoss`` called as the logits processor on this rank's
-logits, its per-token outputs and the log-probs gathered back over the group), then ``PDMLoss`` as the loss.
-The model is a stand-in: a fixed table of logits per packed position, sliced as the engine slices its input,
-since verl's Ulysses attention needs flash-attn (``verl/models/transformers/monkey_patch.py:545-551``), which
-the CPU lacks. Each rank's masks, statistics and loss must equal the same batch at size 1.
+Two checks, each rank's masks, statistics and loss against the same batch at size 1: verl's FSDP2 engine at
+``ulysses_sequence_parallel_size=2`` on the tiny Llama, whose attention runs under Ulysses through pdmask's CPU
+stand-in for flash-attn (``pdmask_cpu_varlen``: verl's all-to-all, SDPA over the packed sequences); and verl's own
+``prepare_model_inputs``/``prepare_model_outputs`` on a stand-in table of logits per packed position (the
+processor on this rank's slice, its outputs gathered back), which pins the layout alone.
 """
 
 from __future__ import annotations
@@ -14,10 +13,11 @@ import os
 import tempfile
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import DELTA, K, actor_config, engine_data, loss_capturing_stats, spawn_ranks
+from conftest import DELTA, TAU, K, actor_config, engine_data, loss_capturing_stats, spawn_ranks
 
 SP = 2
 
@@ -113,3 +113,98 @@ def test_ulysses_size_2_masks_equal_size_1(rollout_batch):
         path = os.path.join(tmp, "batch.pt")
         torch.save({"batch": dict(batch), "table": table}, path)
         spawn_ranks(_worker, SP, os.path.join(tmp, "store"), path)
+
+
+def _engine_worker(rank: int, store: str, path: str) -> None:
+    """verl's FSDP2 engine at Ulysses size 2 on the tiny Llama (pdmask's CPU attention): per method, the loss and
+    the masks of one ``infer_batch`` against ``pdmask.policy_loss`` on the whole batch's logits; then the gradient
+    norm of one ``train_batch`` against the single-process autograd one."""
+    from verl.workers.config import PolicyLossConfig
+
+    import pdmask
+    from pdmask.integrations.verl import PDMLoss, losses
+    from pdmask.integrations.verl.cpu_attention import ATTENTION
+    from pdmask.testing.verl import build_actor_engine
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, SP), rank=rank, world_size=SP)
+    try:
+        saved = torch.load(path)
+        batch, logits = saved["batch"], saved["logits"]
+        engine = build_actor_engine(saved["model_dir"], use_remove_padding=True, ulysses=SP, attention=ATTENTION)
+        mask, thresholds = batch["response_mask"], {"delta_low": DELTA, "delta_high": DELTA, "ratio_cap": 3.0}
+        rollout = pdmask.RolloutLogprobs(batch["rollout_log_probs"], batch["rollout_topk_ids"], batch["rollout_topk_log_probs"])
+        seen, real = [], losses.masked_policy_loss
+
+        def capture(m, stats, adv, keep_mask, *rest):
+            seen.append((stats, adv, keep_mask))
+            return real(m, stats, adv, keep_mask, *rest)
+
+        for method in METHODS:
+            config = actor_config(
+                clip_ratio_low=DELTA, clip_ratio_high=DELTA, policy_loss=PolicyLossConfig(loss_mode=f"pdmask_{method}")
+            )
+            seen.clear()
+            losses.masked_policy_loss = capture
+            try:
+                with engine.eval_mode():  # where verl's engine sets its Ulysses group, as its workers call it
+                    out = engine.infer_batch(engine_data(batch, rmpad=True), loss_function=PDMLoss(config, top_k=K))
+            finally:
+                losses.masked_policy_loss = real
+            ref, _ = pdmask.policy_loss(method, logits, batch["responses"], rollout, batch["advantages"], mask, **thresholds)
+            torch.testing.assert_close(torch.tensor(sum(out["loss"])), ref, rtol=1e-5, atol=1e-6)
+            ref_stats = pdmask.policy_stats(logits, batch["responses"], rollout, response_mask=mask, need_exactpi=True)
+            keep = torch.cat([pdmask.trust_region_mask(method, s, a, k, **thresholds) for s, a, k in seen])
+            ref_keep = pdmask.trust_region_mask(method, ref_stats, batch["advantages"], mask, **thresholds)
+            assert torch.equal(keep, ref_keep), f"rank {rank}, {method}: masks differ at Ulysses size {SP}"
+        with engine.train_mode():
+            out = engine.train_batch(engine_data(batch, rmpad=True), loss_function=PDMLoss(config, top_k=K))
+        if rank == 0:  # verl's engine reports metrics from the Ulysses group's first rank
+            assert out["metrics"]["grad_norm"] == pytest.approx(saved["grad_norm"], rel=1e-4)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ulysses_size_2_in_verls_engine_on_a_real_model(model_dir, rollout_batch, monkeypatch):
+    """The model's attention runs under Ulysses (verl's all-to-all in ``pdmask_cpu_varlen``), not a stand-in table."""
+    monkeypatch.setenv("VERL_PLATFORM", "pdmask_cpu")  # the ranks' verl modules read the device at import
+    from transformers import AutoModelForCausalLM
+
+    import pdmask
+
+    batch, logits = rollout_batch
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    p_len = batch["prompts"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    rollout = pdmask.RolloutLogprobs(batch["rollout_log_probs"], batch["rollout_topk_ids"], batch["rollout_topk_log_probs"])
+    thresholds = {"delta_low": DELTA, "delta_high": DELTA, "ratio_cap": 3.0}
+    loss, _ = pdmask.policy_loss(
+        METHODS[-1], out.logits[:, p_len - 1 : -1] / TAU, batch["responses"], rollout, batch["advantages"],
+        batch["response_mask"], **thresholds,
+    )
+    loss.backward()
+    grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "batch.pt")
+        torch.save({"batch": dict(batch), "logits": logits, "model_dir": model_dir, "grad_norm": float(grad_norm)}, path)
+        spawn_ranks(_engine_worker, SP, os.path.join(tmp, "store"), path)
+
+
+def test_cpu_attention_on_packed_sequences_equals_each_alone(model_dir):
+    """``pdmask_cpu_varlen`` in one process: a packed pair of sequences gives each one's logits alone (GQA heads)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdmask.integrations.verl.cpu_attention import ATTENTION, register_cpu_attention, varlen_attention
+
+    register_cpu_attention()
+    packed_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=ATTENTION).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, 64, (1, 7), generator=g), torch.randint(0, 64, (1, 5), generator=g)
+    positions = torch.cat([torch.arange(7), torch.arange(5)]).unsqueeze(0)
+    with torch.no_grad():
+        packed = packed_model(input_ids=torch.cat([a, b], 1), position_ids=positions).logits
+        alone = torch.cat([model(input_ids=a).logits, model(input_ids=b).logits], 1)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="needs position_ids"):
+        varlen_attention(packed_model, q, q, q, None)

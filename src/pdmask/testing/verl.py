@@ -27,14 +27,17 @@ def init_cpu_process_group() -> None:
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
 
 
-def actor_configs(model_path: str, *, use_remove_padding: bool, lr: float = 1e-3) -> dict[str, Any]:
-    """verl's model, engine (FSDP2, float32), optimizer and checkpoint configs for the model at ``model_path``."""
+def actor_configs(
+    model_path: str, *, use_remove_padding: bool, lr: float = 1e-3, ulysses: int = 1, attention: str = "sdpa"
+) -> dict[str, Any]:
+    """verl's model, engine (FSDP2, float32, Ulysses size ``ulysses``), optimizer and checkpoint configs for the model
+    at ``model_path`` with ``attn_implementation=attention``."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
     return {
         "model_config": HFModelConfig(
-            path=model_path, use_remove_padding=use_remove_padding, override_config={"attn_implementation": "sdpa"}
+            path=model_path, use_remove_padding=use_remove_padding, override_config={"attn_implementation": attention}
         ),
         "engine_config": FSDPEngineConfig(
             strategy="fsdp2",
@@ -44,19 +47,23 @@ def actor_configs(model_path: str, *, use_remove_padding: bool, lr: float = 1e-3
             use_dynamic_bsz=False,
             micro_batch_size_per_gpu=2,
             max_token_len_per_gpu=4096,
+            ulysses_sequence_parallel_size=ulysses,
         ),
         "optimizer_config": FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1e9),
         "checkpoint_config": CheckpointConfig(),
     }
 
 
-def build_actor_engine(model_path: str, *, use_remove_padding: bool, lr: float = 1e-3, seed: int = 0) -> Any:
-    """verl's FSDP actor engine (``FSDPEngineWithLMHead``) for the Hugging Face model at ``model_path``, in float32."""
+def build_actor_engine(
+    model_path: str, *, use_remove_padding: bool, lr: float = 1e-3, seed: int = 0, **configs: Any
+) -> Any:
+    """verl's FSDP actor engine (``FSDPEngineWithLMHead``) for the Hugging Face model at ``model_path``, in float32
+    (``configs``: ``actor_configs``' ``ulysses`` and ``attention``)."""
     from verl.workers.engine import EngineRegistry
 
     init_cpu_process_group()
     torch.manual_seed(seed)
-    configs = actor_configs(model_path, use_remove_padding=use_remove_padding, lr=lr)
+    configs = actor_configs(model_path, use_remove_padding=use_remove_padding, lr=lr, **configs)
     engine = EngineRegistry.new(model_type="language_model", backend="fsdp2", **configs)
     engine.initialize()
     return engine
@@ -90,10 +97,12 @@ def vllm_distribution_record(folder: str) -> str:
     return folder
 
 
-def save_tiny_llama(path: str, *, vocab_size: int = 64, seed: int = 0, hidden_size: int = 32, heads: int = 4) -> str:
+def save_tiny_llama(
+    path: str, *, vocab_size: int = 64, seed: int = 0, hidden_size: int = 32, heads: int = 4, tied: bool = False
+) -> str:
     """Writes a random 2-layer Llama (``heads`` attention heads of ``hidden_size / heads``; vLLM's CPU attention
-    needs a head size such as 64) and a word-level tokenizer ``t0 … t{V-1}`` (with a plain chat template, for
-    verl's agent loops) to ``path``."""
+    needs a head size such as 64; ``tied``: the LM head is the embedding) and a word-level tokenizer ``t0 … t{V-1}``
+    (with a plain chat template, for verl's agent loops) to ``path``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -111,7 +120,7 @@ def save_tiny_llama(path: str, *, vocab_size: int = 64, seed: int = 0, hidden_si
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=128,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         pad_token_id=0,
         eos_token_id=2,
         bos_token_id=3,

@@ -10,6 +10,7 @@ when ``PDMASK_VERL_RECORD`` names a folder, wraps the vLLM server's ``generate``
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 
 #: The environment variable naming the folder; Ray workers inherit it from the driver.
 RECORD_ENV = "PDMASK_VERL_RECORD"
+#: The environment variable naming the trainer run (the end-to-end script runs verl twice, resuming).
+RUN_ENV = "PDMASK_VERL_RUN"
 
 
 def record(kind: str, rows: list[dict[str, Any]]) -> None:
@@ -33,7 +36,8 @@ def load(folder: str | Path, kind: str) -> list[dict[str, Any]]:
 
 
 def install() -> None:
-    """Wraps ``pack_rollout`` (PDMLoss's rows at the packed tokens) and, where vLLM is installed, the top-K server."""
+    """Wraps ``pack_rollout`` (PDMLoss's rows at the packed tokens), ``PDMLoss``'s logits processor (its outputs on
+    this rank) and, where vLLM is installed, the top-K server."""
     from pdmask.integrations.verl import topk
 
     pack = topk.pack_rollout
@@ -60,6 +64,28 @@ def install() -> None:
 
     recorded_pack.recorded = True  # type: ignore[attr-defined]
     topk.pack_rollout = recorded_pack
+
+    process = topk.PDMLoss.logits_processor
+    calls = itertools.count()
+
+    @functools.wraps(process)
+    def recorded_process(self: Any, student_logits: Any, data: Any, data_format: Any = None) -> Any:
+        from verl.utils.ulysses import get_ulysses_sequence_parallel_rank, get_ulysses_sequence_parallel_world_size
+
+        outputs = process(self, student_logits, data, data_format)
+        row = {
+            "run": os.environ.get(RUN_ENV),
+            "call": next(calls),  # this process's processor calls: 0 is its first micro-batch
+            "sp": get_ulysses_sequence_parallel_world_size(),
+            "sp_rank": get_ulysses_sequence_parallel_rank(),
+            "input_ids": data["input_ids"].values().tolist(),  # the whole packed micro-batch
+            "offsets": data["input_ids"].offsets().tolist(),
+            "outputs": {key: value.flatten().tolist() for key, value in outputs.items()},  # this rank's slice
+        }
+        record("processor", [row])
+        return outputs
+
+    topk.PDMLoss.logits_processor = recorded_process  # type: ignore[method-assign]
     try:
         from pdmask.integrations.verl.vllm_server import TopKvLLMHttpServer
     except ImportError:  # no vLLM in this environment: only the loss side records
@@ -88,4 +114,4 @@ def worker_setup() -> None:
         install()
 
 
-__all__ = ["RECORD_ENV", "install", "load", "record", "worker_setup"]
+__all__ = ["RECORD_ENV", "RUN_ENV", "install", "load", "record", "worker_setup"]

@@ -1,4 +1,5 @@
-"""verl on the CPU (tests, smoke and end-to-end runs): the platform, the Ray workers' process group, the weight sync.
+"""verl on the CPU (tests, smoke and end-to-end runs): the platform, the Ray workers' process group, the weight sync,
+the attention.
 
 verl resolves its device through a platform object (``verl.plugin.platform``) and ships CUDA, NPU and
 ROCm ones only; ``CPUPlatform`` is the missing one. It is registered in verl's platform registry as
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
+
+from pdmask.integrations.verl.cpu_attention import register_cpu_attention
 
 #: ``VERL_PLATFORM`` value that selects ``CPUPlatform``.
 PLATFORM = "pdmask_cpu"
@@ -59,6 +62,9 @@ class CPUPlatform(PlatformBase):
         for name, fn in _CPU_MEMORY_FUNCTIONS.items():
             if not hasattr(torch.cpu, name):
                 setattr(torch.cpu, name, fn)
+        # verl's packed-sequence and Ulysses attention is flash-attn's, which has no CPU build: every process of a
+        # CPU run gets the stand-in (``attn_implementation=pdmask_cpu_varlen``).
+        register_cpu_attention()
 
     @property
     def device_name(self) -> str:

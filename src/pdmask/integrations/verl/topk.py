@@ -164,21 +164,26 @@ class PDMLoss:
 
     def _stats(self, model_output: dict[str, Tensor], data: TensorDict) -> PolicyStats:
         """PolicyStats [B, R] from the processor's per-token outputs; log π(a) is set by the policy loss."""
-        singles: dict[str, Tensor] = {}
-        columns: dict[str, dict[int, Tensor]] = {}
-        for key, value in model_output.items():
-            if key.startswith(_OUT):
-                name, _, col = key[len(_OUT) :].partition("/")
-                value = no_padding_2_padding(value, data)
-                if col:
-                    columns.setdefault(name, {})[int(col)] = value
-                else:
-                    singles[name] = value
-        for name, cols in columns.items():
-            singles[name] = torch.stack([cols[j] for j in range(len(cols))], 0 if name in _LEADING_PAIR else -1)
-        singles["set_valid"] = singles["set_valid"].bool()
+        fields = stats_fields({k: no_padding_2_padding(v, data) for k, v in model_output.items() if k.startswith(_OUT)})
         # log π(a) with its gradient is verl's own; the policy loss puts it in place of this stand-in.
-        return PolicyStats(logp=singles["rollout_logp"], has_topk=True, has_full=False, **singles)
+        return PolicyStats(logp=fields["rollout_logp"], has_topk=True, has_full=False, **fields)
+
+
+def stats_fields(outputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    """PolicyStats' tensor fields but log π(a) from the processor's outputs (``_flatten``'s inverse): per token
+    [...] as ``name``, C columns as ``name/j`` → [..., C] (``exactpi_sums``: [2, ...])."""
+    singles: dict[str, Tensor] = {}
+    columns: dict[str, dict[int, Tensor]] = {}
+    for key, value in outputs.items():
+        name, _, col = key[len(_OUT) :].partition("/")
+        if col:
+            columns.setdefault(name, {})[int(col)] = value
+        else:
+            singles[name] = value
+    for name, cols in columns.items():
+        singles[name] = torch.stack([cols[j] for j in range(len(cols))], 0 if name in _LEADING_PAIR else -1)
+    singles["set_valid"] = singles["set_valid"].bool()
+    return singles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,4 +296,5 @@ __all__ = [
     "pack_rollout",
     "rollout_from_batch",
     "sampled_logp",
+    "stats_fields",
 ]

@@ -18,6 +18,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from pdmask.integrations.logprob_lists import check_logprobs_mode
 from pdmask.integrations.verl.agent_loop import TOPK_AGENT_LOOP
 from pdmask.integrations.verl.cpu import on_cpu_platform, use_host_weight_sync
+from pdmask.integrations.verl.cpu_attention import ATTENTION as CPU_ATTENTION
 from pdmask.integrations.verl.losses import loss_name, method_of
 from pdmask.integrations.verl.rollout import LOGPROBS_FIX, rollout_top_k
 from pdmask.integrations.verl.topk import PROCESSOR_FLAG, TOPK_METHODS, PDMLoss
@@ -99,11 +100,16 @@ def check_topk_config(config: Any) -> None:
             "enabled", False
         ),
     }
-    if on_cpu_platform():
+    if actor.get("ulysses_sequence_parallel_size", 1) > 1:
+        # verl's Ulysses all-to-all lives in its flash-attn patch: any other attention would see this rank's slice
+        # of the sequence only, without an error. flash-attn has no CPU build; pdmask's CPU attention does the same.
+        attention = (ref.model.get("override_config") or {}).get("attn_implementation", "flash_attention_2")
+        allowed = (CPU_ATTENTION,) if on_cpu_platform() else ("flash_attention_2", "flash_attention_3", CPU_ATTENTION)
         fixes[
-            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (verl's Ulysses attention patches flash-attn only, "
-            "verl/models/transformers/monkey_patch.py:545-551, which the CPU lacks)"
-        ] = actor.get("ulysses_sequence_parallel_size", 1) == 1
+            f"+actor_rollout_ref.model.override_config.attn_implementation={allowed[0]} (Ulysses sequence "
+            f"parallelism needs attention that gathers the sequence; {attention} does not"
+            + (" on the CPU)" if on_cpu_platform() else ")")
+        ] = attention in allowed
     missing = [fix for fix, ok in fixes.items() if not ok]
     if missing:
         raise ValueError(f"trainer_mode=pdmask_sync needs μ's top K in the actor's loss: set {'; '.join(missing)}.")
