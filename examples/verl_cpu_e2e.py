@@ -102,7 +102,7 @@ def check(folder: str, top_k: int, sp: int, method: str, logs: list[str]) -> Non
             assert abs(row["logp"][t] - sent["logps"][t][a]) < 1e-6, "log μ(a) differs"
         matched += 1
     moved = mu_moved(folder, list(server.values()))
-    size_one = resumed_stats_match(folder, sp, method, seen)
+    size_one = resumed_stats_match(folder, sp, method, logs[-1])
     steps = step_metrics(logs)
     assert steps, "no step line in verl's console log"
     for step, metrics in sorted(steps.items()):
@@ -156,19 +156,24 @@ def mu_moved(folder: str, answers: list[dict[str, Any]]) -> dict[Any, float]:
     return ordered
 
 
-def resumed_stats_match(folder: str, sp: int, method: str, seen: list[dict[str, Any]]) -> str:
-    """Step 3's first micro-batch (the resumed run, before its first update: the step-2 checkpoint's weights) at
-    PDMLoss, its ``sp`` ranks' slices put together, against ``pdmask.policy_stats`` on one process's float32 forward
-    of that checkpoint: the statistics every mask is computed from, to 1e-4. (The batch is on-policy, so its masks
-    keep every token; the masks with work to do are compared in tests_verl/test_sequence_parallel.py.) Returns the
-    line to print."""
+def resumed_stats_match(folder: str, sp: int, method: str, resumed_log: str) -> str:
+    """The resumed run's first micro-batch (before its first update, so the actor holds the checkpoint it resumed
+    from) at PDMLoss, its ``sp`` ranks' slices put together, against ``pdmask.policy_stats`` on one process's float32
+    forward of that checkpoint: the statistics every mask is computed from, to 1e-4. (The batch is on-policy, so its
+    masks keep every token; the masks with work to do are compared in tests_verl/test_sequence_parallel.py.) Returns
+    the line to print."""
     import torch
 
     import pdmask
     from pdmask.integrations.verl.topk import stats_fields
     from pdmask.testing.verl_record import load
 
-    first = [r for r in load(Path(folder) / "record", "processor") if r["run"] == "3" and r["call"] == 0]
+    resumed = re.search(r"Resuming from \S*/(global_step_(\d+))", Path(resumed_log).read_text(errors="replace"))
+    assert resumed, f"no 'Resuming from' line in {resumed_log}"
+    checkpoint, step = resumed.group(1), int(resumed.group(2)) + 1
+    # The resumed run's rows: the record's rows carry the run's total_training_steps, the largest of the runs.
+    steps = str(max(int(r["steps"]) for r in load(Path(folder) / "record", "processor")))
+    first = [r for r in load(Path(folder) / "record", "processor") if r["steps"] == steps and r["call"] == 0]
     assert {r["sp"] for r in first} == {sp}, f"PDMLoss ran at Ulysses sizes {sorted({r['sp'] for r in first})}, not {sp}"
     ranks = sorted(first, key=lambda r: r["sp_rank"])
     assert [r["sp_rank"] for r in ranks] == list(range(sp)), f"Ulysses ranks {[r['sp_rank'] for r in ranks]} recorded"
@@ -177,8 +182,8 @@ def resumed_stats_match(folder: str, sp: int, method: str, seen: list[dict[str, 
     local = len(next(iter(ranks[0]["outputs"].values())))
     assert local == -(-len(ids) // sp), f"a rank's logits cover {local} of {len(ids)} packed tokens at Ulysses size {sp}"
     outputs = {k: torch.tensor(sum((r["outputs"][k] for r in ranks), []))[: len(ids)] for k in ranks[0]["outputs"]}
-    model = checkpoint_model(folder, "global_step_2")
-    rows = {tuple(r["sequence"]): r for r in seen}
+    model = checkpoint_model(folder, checkpoint)
+    rows = {tuple(r["sequence"]): r for r in load(Path(folder) / "record", "loss") if r["steps"] == steps}
     worst, tokens, needs_exactpi = 0.0, 0, pdmask.get_method(method.removeprefix("pdmask_")).needs_exactpi
     for start, end in zip(offsets, offsets[1:]):
         row = rows[tuple(ids[start:end])]
@@ -194,12 +199,14 @@ def resumed_stats_match(folder: str, sp: int, method: str, seen: list[dict[str, 
         ref = pdmask.policy_stats(logits, torch.tensor([row["targets"]]), mu, need_sq_norm=True, need_exactpi=needs_exactpi)
         got = stats_fields({k: v[at].unsqueeze(0) for k, v in outputs.items()})
         for name in STATS:
-            worst = max(worst, (got[name].float() - getattr(ref, name)).abs().max().item())
+            diff = (got[name].float() - getattr(ref, name)).abs().max().item()
+            assert diff < 1e-4, f"PDMLoss's {name} differs from one process's by {diff:.2e}"  # NaN fails here too
+            worst = max(worst, diff)
         tokens += r
-    assert tokens and worst < 1e-4, f"PDMLoss's statistics differ from one process's by {worst:.2e}"
+    assert tokens, "the resumed run's first micro-batch has no response token"
     return (
-        f"step 3's first micro-batch at PDMLoss (Ulysses size {sp}, {len(ids)} packed tokens, {local} a rank) vs one "
-        f"process on the step-2 checkpoint: {', '.join(STATS)} max |Δ| {worst:.1e} over {tokens} response tokens"
+        f"step {step}'s first micro-batch at PDMLoss (Ulysses size {sp}, {len(ids)} packed tokens, {local} a rank) vs "
+        f"one process on the {checkpoint} checkpoint: {', '.join(STATS)} max |Δ| {worst:.1e} over {tokens} response tokens"
     )
 
 

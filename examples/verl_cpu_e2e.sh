@@ -29,7 +29,7 @@ if [[ "$SP" == 1 ]]; then ATTENTION=sdpa; else ATTENTION=pdmask_cpu_varlen; fi
 
 train() {  # train STEPS LOG: verl's entry point, resuming from $WORK/ckpt when a checkpoint is there
   local start=$SECONDS
-  PDMASK_VERL_RUN="$1" timeout 900 python -m verl.trainer.main_ppo \
+  PDMASK_VERL_STEPS="$1" timeout 900 python -m verl.trainer.main_ppo \
     trainer.v1.trainer_mode=pdmask_sync \
     algorithm.adv_estimator=grpo \
     algorithm.rollout_correction.bypass_mode=True \

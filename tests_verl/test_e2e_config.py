@@ -130,21 +130,25 @@ def test_bad_input_is_one_line_before_the_first_step(topk_config, case):
 
 
 def test_ulysses_needs_attention_that_gathers_the_sequence(topk_config, monkeypatch):
-    """verl's Ulysses all-to-all is in its flash-attn patch; any other attention (sdpa, eager) would silently attend
-    within this rank's slice. On pdmask's CPU platform flash-attn is absent and pdmask's CPU attention stands in."""
+    """verl's Ulysses all-to-all is in transformers' flash-attention path; any other attention (sdpa, eager) would
+    silently attend within this rank's slice. On pdmask's CPU platform flash-attn is absent and pdmask's CPU
+    attention stands in (registered there only)."""
     from pdmask.integrations.verl import trainer
 
     config = changed(topk_config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 2)
-    sdpa = changed(config, "actor_rollout_ref.model.override_config", {"attn_implementation": "sdpa"})
-    cpu = changed(config, "actor_rollout_ref.model.override_config", {"attn_implementation": "pdmask_cpu_varlen"})
+    attention = {
+        name: changed(config, "actor_rollout_ref.model.override_config", {"attn_implementation": name})
+        for name in ("flash_attention_3", "sdpa", "pdmask_cpu_varlen")
+    }
     monkeypatch.setattr(trainer, "on_cpu_platform", lambda: False)  # in-process tests may have chosen CPUPlatform
     trainer.check_topk_config(config)  # verl's default, flash_attention_2
-    trainer.check_topk_config(cpu)
-    with pytest.raises(ValueError, match="attn_implementation=flash_attention_2 .*sdpa does not\\)"):
-        trainer.check_topk_config(sdpa)
+    trainer.check_topk_config(attention["flash_attention_3"])
+    for name in ("sdpa", "pdmask_cpu_varlen"):
+        with pytest.raises(ValueError, match=f"attn_implementation=flash_attention_2 .*; {name} does not\\)"):
+            trainer.check_topk_config(attention[name])
     monkeypatch.setattr(trainer, "on_cpu_platform", lambda: True)
-    trainer.check_topk_config(cpu)
-    for bad in (config, sdpa):
+    trainer.check_topk_config(attention["pdmask_cpu_varlen"])
+    for bad in (config, attention["sdpa"]):
         with pytest.raises(ValueError, match="attn_implementation=pdmask_cpu_varlen .* on the CPU"):
             trainer.check_topk_config(bad)
 

@@ -208,3 +208,39 @@ def test_cpu_attention_on_packed_sequences_equals_each_alone(model_dir):
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(ValueError, match="needs position_ids"):
         varlen_attention(packed_model, q, q, q, None)
+
+
+def _attention_worker(rank: int, store: str) -> None:
+    """``varlen_attention`` at Ulysses size 2 on 15 packed positions (odd: verl pads one, with position 0) equals
+    size 1, for kv heads fewer than (repeated), equal to and a multiple of the group size."""
+    from verl.utils.ulysses import set_ulysses_sequence_parallel_group, ulysses_pad
+
+    from pdmask.integrations.verl.cpu_attention import varlen_attention
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, SP), rank=rank, world_size=SP)
+    try:
+        positions = torch.cat([torch.arange(6), torch.arange(4), torch.arange(5)]).unsqueeze(0)
+        n, module = positions.shape[1], SimpleNamespace(training=False)
+        for kv_heads in (1, 2, 4):
+            g = torch.Generator().manual_seed(kv_heads)
+            q = torch.randn(1, 4, n, 8, generator=g)
+            k, v = torch.randn(2, 1, kv_heads, n, 8, generator=g)
+            set_ulysses_sequence_parallel_group(None)
+            whole = varlen_attention(module, q, k, v, None, position_ids=positions)[0]
+            _, padded_positions, pad = ulysses_pad(torch.zeros_like(positions), positions, sp_size=SP)
+            assert pad == 1
+            local = padded_positions.shape[1] // SP
+            part = slice(rank * local, (rank + 1) * local)
+            q_, k_, v_ = (torch.nn.functional.pad(t, (0, 0, 0, pad))[:, :, part] for t in (q, k, v))
+            set_ulysses_sequence_parallel_group(dist.group.WORLD)
+            mine = varlen_attention(module, q_, k_, v_, None, position_ids=padded_positions[:, part])[0]
+            real = min(local, n - rank * local)  # the padded position's output is dropped by verl
+            torch.testing.assert_close(mine[:, :real], whole[:, rank * local : rank * local + real])
+    finally:
+        set_ulysses_sequence_parallel_group(None)
+        dist.destroy_process_group()
+
+
+def test_cpu_attention_at_ulysses_size_2_with_padding_equals_size_1():
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_ranks(_attention_worker, SP, os.path.join(tmp, "store"))

@@ -18,8 +18,9 @@ from typing import Any
 
 #: The environment variable naming the folder; Ray workers inherit it from the driver.
 RECORD_ENV = "PDMASK_VERL_RECORD"
-#: The environment variable naming the trainer run (the end-to-end script runs verl twice, resuming).
-RUN_ENV = "PDMASK_VERL_RUN"
+#: The environment variable with the trainer run's ``total_training_steps``, which tells the end-to-end script's two
+#: runs apart (the second resumes the first's checkpoint).
+STEPS_ENV = "PDMASK_VERL_STEPS"
 
 
 def record(kind: str, rows: list[dict[str, Any]]) -> None:
@@ -52,6 +53,7 @@ def install() -> None:
             at = packed.where[b][packed.valid[b]]
             rows.append(
                 {
+                    "steps": os.environ.get(STEPS_ENV),
                     "sequence": sequence.tolist(),
                     "targets": tokens[at].tolist(),
                     "topk_ids": packed.rollout.topk_ids[at].tolist(),
@@ -74,7 +76,7 @@ def install() -> None:
 
         outputs = process(self, student_logits, data, data_format)
         row = {
-            "run": os.environ.get(RUN_ENV),
+            "steps": os.environ.get(STEPS_ENV),
             "call": next(calls),  # this process's processor calls: 0 is its first micro-batch
             "sp": get_ulysses_sequence_parallel_world_size(),
             "sp_rank": get_ulysses_sequence_parallel_rank(),
@@ -114,4 +116,4 @@ def worker_setup() -> None:
         install()
 
 
-__all__ = ["RECORD_ENV", "RUN_ENV", "install", "load", "record", "worker_setup"]
+__all__ = ["RECORD_ENV", "STEPS_ENV", "install", "load", "record", "worker_setup"]

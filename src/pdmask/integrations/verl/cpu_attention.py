@@ -19,6 +19,8 @@ from transformers import AttentionInterface
 
 #: ``attn_implementation`` of ``varlen_attention``.
 ATTENTION = "pdmask_cpu_varlen"
+#: Attention arguments of transformers' models that ``varlen_attention`` does not implement (refused when set).
+UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
 
 
 def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -41,8 +43,10 @@ def varlen_attention(
 ) -> tuple[torch.Tensor, None]:
     """Causal attention within packed sequences: q [B, H, S/sp, d], k, v [B, Hk, S/sp, d] → [B, S/sp, H, d].
 
-    ``position_ids`` [B, S/sp] delimit the sequences (the padding-free layout verl trains on); under Ulysses
-    (verl's group of size sp > 1) each rank holds S/sp positions and all heads before the all-to-all.
+    The position ids [B, S/sp] alone delimit the sequences, each starting at 0 (the padding-free layout verl
+    trains on; verl's Ulysses padding starts at 0 too): transformers hands an attention outside its mask registry
+    no mask. Under Ulysses (verl's group of size sp > 1) each rank holds S/sp positions and all heads before the
+    all-to-all.
     """
     from verl.utils.ulysses import (
         gather_heads_scatter_seq,
@@ -53,6 +57,12 @@ def varlen_attention(
 
     if position_ids is None:
         raise ValueError(f"attn_implementation={ATTENTION} needs position_ids: it delimits packed sequences by them")
+    unsupported = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(
+            f"attn_implementation={ATTENTION} computes plain causal attention; this model asks for "
+            f"{', '.join(unsupported)}: use a model without them for verl's CPU runs."
+        )
     sp = get_ulysses_sequence_parallel_world_size()
     if sp > 1:
         # As verl's flash-attn patch: kv heads repeated up to sp so that each rank keeps at least one.
@@ -81,4 +91,4 @@ def register_cpu_attention() -> None:
     AttentionInterface.register(ATTENTION, varlen_attention)
 
 
-__all__ = ["ATTENTION", "packed_causal_mask", "register_cpu_attention", "varlen_attention"]
+__all__ = ["ATTENTION", "UNSUPPORTED", "packed_causal_mask", "register_cpu_attention", "varlen_attention"]

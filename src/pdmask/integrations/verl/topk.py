@@ -175,6 +175,8 @@ def stats_fields(outputs: dict[str, Tensor]) -> dict[str, Tensor]:
     singles: dict[str, Tensor] = {}
     columns: dict[str, dict[int, Tensor]] = {}
     for key, value in outputs.items():
+        if not key.startswith(_OUT):
+            raise ValueError(f"{key!r} is not an output of PDMLoss's logits processor (keys start with {_OUT!r}).")
         name, _, col = key[len(_OUT) :].partition("/")
         if col:
             columns.setdefault(name, {})[int(col)] = value
