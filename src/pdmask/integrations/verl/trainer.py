@@ -102,24 +102,25 @@ def check_topk_config(config: Any) -> None:
     }
     if actor.get("ulysses_sequence_parallel_size", 1) > 1:
         attention = (ref.model.get("override_config") or {}).get("attn_implementation", "flash_attention_2")
+        cpu = on_cpu_platform()
         fixes[
             f"+actor_rollout_ref.model.override_config.attn_implementation="
-            f"{CPU_ATTENTION if on_cpu_platform() else 'flash_attention_2'} (Ulysses sequence parallelism needs an "
-            f"attention that gathers the sequence; {attention} does not" + (" on the CPU)" if on_cpu_platform() else ")")
-        ] = gathers_sequence(attention)
+            f"{CPU_ATTENTION if cpu else 'flash_attention_2'} (Ulysses sequence parallelism needs an "
+            f"attention that gathers the sequence; {attention} does not" + (" on the CPU)" if cpu else ")")
+        ] = gathers_sequence(attention, cpu)
     missing = [fix for fix, ok in fixes.items() if not ok]
     if missing:
         raise ValueError(f"trainer_mode=pdmask_sync needs μ's top K in the actor's loss: set {'; '.join(missing)}.")
     check_logprobs_mode(rollout.get("logprobs_mode"), rollout.get("temperature"), fix=LOGPROBS_FIX)
 
 
-def gathers_sequence(attention: str) -> bool:
-    """Whether ``attn_implementation=attention`` runs Ulysses' all-to-all in this process. verl puts it into
-    transformers' flash-attention path (``_flash_attention_forward``, ``verl/models/transformers/monkey_patch.py``):
+def gathers_sequence(attention: str, cpu: bool) -> bool:
+    """Whether ``attn_implementation=attention`` runs Ulysses' all-to-all (``cpu``: on ``CPUPlatform``). verl puts
+    it into transformers' flash-attention path (``_flash_attention_forward``, ``verl/models/transformers/monkey_patch.py``):
     every attention that goes through transformers' ``flash_attention_forward`` (flash-attn 2, 3, 4). Any other
     attention would attend within the rank's slice of the sequence, silently. On the CPU, flash-attn has no build;
     ``pdmask_cpu_varlen`` does the same all-to-all there."""
-    if on_cpu_platform():
+    if cpu:
         return attention == CPU_ATTENTION
     from transformers import AttentionInterface
     from transformers.integrations.flash_attention import flash_attention_forward
