@@ -102,7 +102,7 @@ def check(folder: str, top_k: int, sp: int, method: str, logs: list[str]) -> Non
             assert abs(row["logp"][t] - sent["logps"][t][a]) < 1e-6, "log μ(a) differs"
         matched += 1
     moved = mu_moved(folder, list(server.values()))
-    size_one = resumed_stats_match(folder, sp, method, logs[-1])
+    size_one = resumed_stats_match(folder, sp, method, logs[-1], seen)
     steps = step_metrics(logs)
     assert steps, "no step line in verl's console log"
     for step, metrics in sorted(steps.items()):
@@ -156,12 +156,12 @@ def mu_moved(folder: str, answers: list[dict[str, Any]]) -> dict[Any, float]:
     return ordered
 
 
-def resumed_stats_match(folder: str, sp: int, method: str, resumed_log: str) -> str:
+def resumed_stats_match(folder: str, sp: int, method: str, resumed_log: str, seen: list[dict[str, Any]]) -> str:
     """The resumed run's first micro-batch (before its first update, so the actor holds the checkpoint it resumed
     from) at PDMLoss, its ``sp`` ranks' slices put together, against ``pdmask.policy_stats`` on one process's float32
     forward of that checkpoint: the statistics every mask is computed from, to 1e-4. (The batch is on-policy, so its
     masks keep every token; the masks with work to do are compared in tests_verl/test_sequence_parallel.py.) Returns
-    the line to print."""
+    the line to print. ``seen``: the loss side's recorded rows, μ at each response."""
     import torch
 
     import pdmask
@@ -172,8 +172,9 @@ def resumed_stats_match(folder: str, sp: int, method: str, resumed_log: str) -> 
     assert resumed, f"no 'Resuming from' line in {resumed_log}"
     checkpoint, step = resumed.group(1), int(resumed.group(2)) + 1
     # The resumed run's rows: the record's rows carry the run's total_training_steps, the largest of the runs.
-    steps = str(max(int(r["steps"]) for r in load(Path(folder) / "record", "processor")))
-    first = [r for r in load(Path(folder) / "record", "processor") if r["steps"] == steps and r["call"] == 0]
+    processed = load(Path(folder) / "record", "processor")
+    steps = str(max(int(r["steps"]) for r in processed))
+    first = [r for r in processed if r["steps"] == steps and r["call"] == 0]
     assert {r["sp"] for r in first} == {sp}, f"PDMLoss ran at Ulysses sizes {sorted({r['sp'] for r in first})}, not {sp}"
     ranks = sorted(first, key=lambda r: r["sp_rank"])
     assert [r["sp_rank"] for r in ranks] == list(range(sp)), f"Ulysses ranks {[r['sp_rank'] for r in ranks]} recorded"
@@ -183,7 +184,7 @@ def resumed_stats_match(folder: str, sp: int, method: str, resumed_log: str) -> 
     assert local == -(-len(ids) // sp), f"a rank's logits cover {local} of {len(ids)} packed tokens at Ulysses size {sp}"
     outputs = {k: torch.tensor(sum((r["outputs"][k] for r in ranks), []))[: len(ids)] for k in ranks[0]["outputs"]}
     model = checkpoint_model(folder, checkpoint)
-    rows = {tuple(r["sequence"]): r for r in load(Path(folder) / "record", "loss") if r["steps"] == steps}
+    rows = {tuple(r["sequence"]): r for r in seen if r["steps"] == steps}
     worst, tokens, needs_exactpi = 0.0, 0, pdmask.get_method(method.removeprefix("pdmask_")).needs_exactpi
     for start, end in zip(offsets, offsets[1:]):
         row = rows[tuple(ids[start:end])]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -99,12 +100,12 @@ def engine_data(batch, *, rmpad, flag=True, **extra):
     return enable_topk_forward(td) if flag else td
 
 
-def loss_capturing_stats(loss_fn, output, data):
-    """(loss, [(PolicyStats, advantages, mask)]): ``loss_fn`` on an engine's output, with what reached pdmask's masked loss."""
+@contextmanager
+def captured_stats():
+    """[(PolicyStats, advantages, mask)]: what reaches pdmask's masked loss inside the block."""
     from pdmask.integrations.verl import losses
 
-    seen = []
-    real = losses.masked_policy_loss
+    seen, real = [], losses.masked_policy_loss
 
     def capture(m, stats, adv, mask, agg, cfg, weights):
         seen.append((stats, adv, mask))
@@ -112,9 +113,15 @@ def loss_capturing_stats(loss_fn, output, data):
 
     losses.masked_policy_loss = capture
     try:
-        loss, _ = loss_fn(model_output=output, data=data, dp_group=None)
+        yield seen
     finally:
         losses.masked_policy_loss = real
+
+
+def loss_capturing_stats(loss_fn, output, data):
+    """(loss, [(PolicyStats, advantages, mask)]): ``loss_fn`` on an engine's output, with what reached pdmask's masked loss."""
+    with captured_stats() as seen:
+        loss, _ = loss_fn(model_output=output, data=data, dp_group=None)
     return loss, seen
 
 

@@ -13,11 +13,11 @@ from verl.workers.config import PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss
 
 import pdmask
-from pdmask.integrations.verl import PDMLoss, losses, topk
+from pdmask.integrations.verl import PDMLoss, topk
 from pdmask.integrations.verl.rollout import topk_batch_fields
 from pdmask.testing.verl import build_actor_engine
 
-from conftest import DELTA, K, actor_config, engine_data
+from conftest import DELTA, K, actor_config, captured_stats, engine_data
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +35,10 @@ def _config(method, agg="token-mean"):
 
 @pytest.mark.parametrize("rmpad", [True, False], ids=["remove_padding", "padded"])
 @pytest.mark.parametrize("method", ["pdm_proportional_tv", "pdm_aggregated_kl", "pdm_uniform_tv", "dppo_topk_kl"])
-def test_engine_loss_and_mask_equal_pdmask(engines, rollout_batch, monkeypatch, rmpad, method):
+def test_engine_loss_and_mask_equal_pdmask(engines, rollout_batch, rmpad, method):
     batch, logits = rollout_batch
-    seen = []
-
-    def capture(m, stats, adv, mask, agg, config, weights):
-        seen.append((stats, adv, mask))
-        return topk_masked(m, stats, adv, mask, agg, config, weights)
-
-    topk_masked = losses.masked_policy_loss
-    monkeypatch.setattr(losses, "masked_policy_loss", capture)
-    out = engines[rmpad].infer_batch(engine_data(batch, rmpad=rmpad), loss_function=PDMLoss(_config(method), top_k=K))
+    with captured_stats() as seen:
+        out = engines[rmpad].infer_batch(engine_data(batch, rmpad=rmpad), loss_function=PDMLoss(_config(method), top_k=K))
 
     mask = batch["response_mask"]
     rollout = pdmask.RolloutLogprobs(batch["rollout_log_probs"], batch[topk.TOPK_IDS], batch[topk.TOPK_LOGP])

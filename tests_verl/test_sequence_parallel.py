@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import DELTA, TAU, K, actor_config, engine_data, loss_capturing_stats, spawn_ranks
+from conftest import DELTA, TAU, K, actor_config, captured_stats, engine_data, loss_capturing_stats, spawn_ranks
 
 SP = 2
 
@@ -122,7 +122,7 @@ def _engine_worker(rank: int, store: str, path: str) -> None:
     from verl.workers.config import PolicyLossConfig
 
     import pdmask
-    from pdmask.integrations.verl import PDMLoss, losses
+    from pdmask.integrations.verl import PDMLoss
     from pdmask.integrations.verl.cpu_attention import ATTENTION
     from pdmask.testing.verl import build_actor_engine
 
@@ -133,23 +133,13 @@ def _engine_worker(rank: int, store: str, path: str) -> None:
         engine = build_actor_engine(saved["model_dir"], use_remove_padding=True, ulysses=SP, attention=ATTENTION)
         mask, thresholds = batch["response_mask"], {"delta_low": DELTA, "delta_high": DELTA, "ratio_cap": 3.0}
         rollout = pdmask.RolloutLogprobs(batch["rollout_log_probs"], batch["rollout_topk_ids"], batch["rollout_topk_log_probs"])
-        seen, real = [], losses.masked_policy_loss
-
-        def capture(m, stats, adv, keep_mask, *rest):
-            seen.append((stats, adv, keep_mask))
-            return real(m, stats, adv, keep_mask, *rest)
-
         for method in METHODS:
             config = actor_config(
                 clip_ratio_low=DELTA, clip_ratio_high=DELTA, policy_loss=PolicyLossConfig(loss_mode=f"pdmask_{method}")
             )
-            seen.clear()
-            losses.masked_policy_loss = capture
-            try:
-                with engine.eval_mode():  # where verl's engine sets its Ulysses group, as its workers call it
-                    out = engine.infer_batch(engine_data(batch, rmpad=True), loss_function=PDMLoss(config, top_k=K))
-            finally:
-                losses.masked_policy_loss = real
+            # engine.eval_mode() is where verl's engine sets its Ulysses group, as its workers call it.
+            with captured_stats() as seen, engine.eval_mode():
+                out = engine.infer_batch(engine_data(batch, rmpad=True), loss_function=PDMLoss(config, top_k=K))
             ref, _ = pdmask.policy_loss(method, logits, batch["responses"], rollout, batch["advantages"], mask, **thresholds)
             torch.testing.assert_close(torch.tensor(sum(out["loss"])), ref, rtol=1e-5, atol=1e-6)
             ref_stats = pdmask.policy_stats(logits, batch["responses"], rollout, response_mask=mask, need_exactpi=True)
