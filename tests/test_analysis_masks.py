@@ -66,7 +66,7 @@ def test_decisions_follow_method_md_for_every_direction_method() -> None:
     # The backbone-aware masks read the LM head's sums: any W [V, d] exercises their decision rule.
     head = torch.randn(z.shape[-1], 6, generator=g, dtype=z.dtype)
     rollout = RolloutLogprobs(logmu.gather(-1, a[:, None]).squeeze(-1), top_ids, top_logp, logmu)
-    stats = policy_stats(z, a, rollout, head_weight=head)
+    stats = policy_stats(z, a, rollout, head_weight=head, need_exactpi=True)
     adv = torch.randn(64, generator=g, dtype=torch.float64)
     adv[::7] = 0.0
     delta = {"tv": 0.1, "kl": 0.05}

@@ -62,7 +62,7 @@ def test_equals_policy_stats_on_the_materialised_logits(n, vocab, d, seed, dtype
 @given(st.integers(2, 400), st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]))
 def test_float64_references(vocab, seed, kind):
     h, w, b, a, rollout = head_case(7, vocab, 8, min(vocab, 4), seed=seed)
-    stats = policy_stats_from_hidden(h, w, a, rollout, bias=b, temperature=0.8, block_rows=3, block_vocab=50)
+    stats = policy_stats_from_hidden(h, w, a, rollout, bias=b, temperature=0.8, block_rows=3, block_vocab=50, need_exactpi=True)
     z = (h @ w.T + b) / 0.8
     pi, mu = torch.softmax(z, -1), rollout.full_logp.exp()
     ids = rollout.topk_ids
@@ -133,17 +133,20 @@ def test_packed_batched_and_non_contiguous_hidden_states_agree():
     assert torch.allclose(leaf.grad[:, :9].reshape(-1, 12), flat.grad, atol=1e-5)
 
 
-def test_response_mask_padding_and_the_exactpi_second_pass():
+def test_response_mask_padding_and_the_exactpi_sums_asked_for_up_front():
     h, w, b, a, rollout = head_case(6, 50, 8, 3, seed=8)
     mask = torch.tensor([1, 1, 0, 1, 0, 1])
     ids = rollout.topk_ids.clone()
     ids[2] = ids[2, 0]  # padding may repeat ids
     r = RolloutLogprobs(rollout.logp, ids, rollout.topk_logp)
     eager = policy_stats_from_hidden(h, w, torch.where(mask.bool(), a, -100), r, bias=b, response_mask=mask, need_exactpi=True)
-    lazy = policy_stats_from_hidden(h, w, torch.where(mask.bool(), a, -100), r, bias=b, response_mask=mask, block_vocab=7)
+    blocks = policy_stats_from_hidden(h, w, torch.where(mask.bool(), a, -100), r, bias=b, response_mask=mask, need_exactpi=True,
+                                      block_vocab=7)  # fmt: skip
     keep = mask.bool()
-    assert lazy.exactpi_sums is None
-    assert torch.allclose(predicted_change(eager, "tv", "exactpi")[keep], predicted_change(lazy, "tv", "exactpi")[keep])
+    assert torch.allclose(predicted_change(eager, "tv", "exactpi")[keep], predicted_change(blocks, "tv", "exactpi")[keep])
+    without = policy_stats_from_hidden(h, w, torch.where(mask.bool(), a, -100), r, bias=b, response_mask=mask)
+    with pytest.raises(ValueError, match="need_exactpi=True"):
+        predicted_change(without, "tv", "exactpi")
 
 
 def test_no_gradient_needed_and_float64_stays_float64():

@@ -215,7 +215,7 @@ def test_tail_metrics_count_where_the_estimators_masks_differ():
     adv = torch.randn(400, generator=torch.Generator().manual_seed(1))
     valid = torch.ones(400, dtype=torch.bool)
     cfg = TINY.replace(method="pdm_proportional_tv", delta_tv=1e-3)
-    stats = pdmask.policy_stats(z, a, mu, need_sq_norm=True)
+    stats = pdmask.policy_stats(z, a, mu, need_sq_norm=True, need_exactpi=True)
     out = tail_metrics(cfg, stats, adv, valid)
     keep = {
         e: pdmask.trust_region_mask(f"pdm_{e}_tv", stats, adv, valid, delta_low=1e-3, delta_high=1e-3)

@@ -59,7 +59,7 @@ def test_loss_value_and_gradient_match_the_formula(method):
     head = torch.randn(V, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) if METHODS[method].needs_head else None
     loss, metrics = policy_loss(method, z, a, rollout, adv, mask, agg="token-mean", head_weight=head)
     loss.backward()
-    stats = policy_stats(z.detach(), a, rollout, head_weight=head)
+    stats = policy_stats(z.detach(), a, rollout, head_weight=head, need_exactpi=True)
     _, keep = per_token_loss(method, stats, adv, mask)
     w = keep.double() * stats.ratio.clamp(max=METHODS[method].defaults["ratio_cap"]) * adv[:, None] / mask.sum()
     pi = torch.softmax(z.detach(), -1)

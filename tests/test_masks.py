@@ -15,7 +15,7 @@ def position(pi: list[float], mu: list[float], a: int, k: int | None = None):
     top = logmu.topk(k or len(mu), -1)
     tokens = torch.tensor([a])
     rollout = RolloutLogprobs(logmu[:, a], top.indices, top.values, logmu)
-    return policy_stats(logits, tokens, rollout)
+    return policy_stats(logits, tokens, rollout, need_exactpi=True)
 
 
 # π under-weights token 0 relative to μ. Raising a = 1 moves π_1 toward μ_1 (0.05 → 0.08) but takes

@@ -50,7 +50,7 @@ def test_fast_paths_match_float64_references(c, kind, dtype):
     z = z.to(dtype)
     zr = z.double()  # the reference sees exactly the values the fast path was given
     mu = logmu.exp()
-    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True))
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True), need_exactpi=True)
     atol, rtol = _tol(dtype)
     expect = {
         ("G", "full"): ref.predicted_change(zr, mu, a, kind),
@@ -79,7 +79,7 @@ def test_fast_paths_match_float64_references(c, kind, dtype):
 @given(st.integers(2, 300), st.integers(0, 2**31 - 1), st.sampled_from(["tv", "kl"]))
 def test_check2_estimators_agree_when_S_covers_the_support(vocab, seed, kind):
     z, logmu, a, ids, vals = make_case(4, vocab, vocab, seed=seed)
-    _assert_topk_estimators_exact(policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True)), kind)
+    _assert_topk_estimators_exact(policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True), need_exactpi=True), kind)
 
 
 @SETTINGS
@@ -88,7 +88,7 @@ def test_check2_estimators_agree_with_one_token_outside_S(vocab, seed, kind):
     z, logmu, a, _, _ = make_case(1, vocab, 1, seed=seed)
     outside = (a + 1) % vocab
     ids = torch.tensor([i for i in range(vocab) if i != outside.item()])[None]
-    _assert_topk_estimators_exact(policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True)), kind)
+    _assert_topk_estimators_exact(policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True), need_exactpi=True), kind)
 
 
 def _assert_topk_estimators_exact(stats, kind):
@@ -107,7 +107,7 @@ def test_check2_tail_is_exact_when_mu_tail_is_proportional(vocab, seed, kind):
     scale = (1 - mu_s.sum(-1, keepdim=True)) / torch.where(in_s, 0.0, pi).sum(-1, keepdim=True)
     mu = torch.where(in_s, mu_s, pi * scale)
     logmu = mu.log()
-    stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True))
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True), need_exactpi=True)
     assert torch.allclose(predicted_change(stats, kind, "proportional"), predicted_change(stats, kind, "full"), atol=1e-10)
 
 
@@ -121,7 +121,7 @@ def test_check2_exactpi_is_exact_when_mu_tail_is_even(vocab, seed, kind, tail_sh
     mu_s = mu_s / mu_s.sum(-1, keepdim=True) * (1 - tail_share * (1 - mu_s.sum(-1, keepdim=True)))
     even = (1 - mu_s.sum(-1, keepdim=True)).clamp_min(0) / (~in_s).sum(-1, keepdim=True).clamp_min(1)
     logmu = torch.where(in_s, mu_s, even).log()
-    stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True))
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True), need_exactpi=True)
     g = predicted_change(stats, kind, "exactpi")
     assert torch.allclose(g, predicted_change(stats, kind, "full"), atol=1e-10)
     assert torch.allclose(g, ref.exactpi_change(z, logmu.exp(), a, ids, kind), atol=1e-10)
@@ -137,7 +137,7 @@ def test_check2_paper_uniform_is_exact_when_both_tails_are_even(vocab, seed, kin
     mu_s = torch.where(in_s, logmu.exp(), 0.0)
     even = (1 - mu_s.sum(-1, keepdim=True)).clamp_min(0) / (~in_s).sum(-1, keepdim=True).clamp_min(1)
     logmu = torch.where(in_s, mu_s, even).log()
-    stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True))
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, logmu.gather(-1, ids), full=True), need_exactpi=True)
     g = predicted_change(stats, kind, "uniform")
     assert torch.allclose(g, predicted_change(stats, kind, "full"), atol=1e-10)
     assert torch.allclose(g, ref.uniform_change(z, logmu.exp(), a, ids, kind), atol=1e-10)
@@ -145,13 +145,16 @@ def test_check2_paper_uniform_is_exact_when_both_tails_are_even(vocab, seed, kin
 
 @SETTINGS
 @given(st.integers(2, 2000), st.integers(0, 2**31 - 1), st.sampled_from([torch.float64, torch.float32]))
-def test_exactpi_sums_in_the_pass_or_a_second_pass_agree(vocab, seed, dtype):
+def test_exactpi_sums_are_asked_for_up_front_and_agree_over_chunk_sizes(vocab, seed, dtype):
     z, logmu, a, ids, vals = make_case(5, vocab, min(vocab, 4), seed=seed, dtype=dtype)
     rollout = rollout_of(logmu, a, ids, vals)
-    eager = policy_stats(z, a, rollout, need_exactpi=True, chunk_size=2)
-    lazy = policy_stats(z, a, rollout, chunk_size=3)
-    assert eager.exactpi_sums is not None and lazy.exactpi_sums is None
-    assert torch.equal(predicted_change(eager, "tv", "exactpi"), predicted_change(lazy, "tv", "exactpi"))
+    two = policy_stats(z, a, rollout, need_exactpi=True, chunk_size=2)
+    three = policy_stats(z, a, rollout, need_exactpi=True, chunk_size=3)
+    assert torch.equal(predicted_change(two, "tv", "exactpi"), predicted_change(three, "tv", "exactpi"))
+    without = policy_stats(z, a, rollout, chunk_size=3)
+    assert without.exactpi_sums is None
+    with pytest.raises(ValueError, match="need_exactpi=True"):  # no second pass behind the caller's back
+        predicted_change(without, "tv", "exactpi")
 
 
 @SETTINGS
@@ -162,7 +165,7 @@ def test_exactpi_sums_in_the_pass_or_a_second_pass_agree(vocab, seed, dtype):
 )
 def test_check3_two_categories_sign_is_the_ratio_sign(seed, kind, est):
     z, logmu, a, ids, vals = make_case(8, 2, 1, seed=seed)
-    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True))
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True), need_exactpi=True)
     g = predicted_change(stats, kind, est)
     assert torch.equal(torch.sign(g), torch.sign(stats.pi_a - stats.mu_a))
 
@@ -170,7 +173,7 @@ def test_check3_two_categories_sign_is_the_ratio_sign(seed, kind, est):
 def test_check4_only_logp_carries_gradient(case):
     z, logmu, a, ids, vals = case
     z = z.clone().requires_grad_(True)
-    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True))
+    stats = policy_stats(z, a, rollout_of(logmu, a, ids, vals, full=True), need_exactpi=True)
     assert stats.logp.requires_grad
     detached = [stats.rollout_logp, stats.sq_norm, stats.set_logp, stats.set_mu, stats.ratio, stats.pi_a]
     detached += [getattr(stats.full, f) for f in ("tv", "kl", "mu_dot_pi", "sign_pi", "sign_pi2")]
@@ -233,7 +236,7 @@ def test_sampled_token_inside_or_outside_topk_gives_the_same_set():
 def test_bf16_logits_are_upcast_and_differentiable():
     z, logmu, a, ids, vals = make_case(8, 100, 5, seed=2)
     zb = z.to(torch.bfloat16).requires_grad_(True)
-    stats = policy_stats(zb, a, rollout_of(logmu, a, ids, vals))
+    stats = policy_stats(zb, a, rollout_of(logmu, a, ids, vals), need_exactpi=True)
     assert stats.logp.dtype == torch.float32
     stats.logp.sum().backward()
     assert zb.grad.dtype == torch.bfloat16 and torch.isfinite(zb.grad.float()).all()
@@ -259,7 +262,7 @@ def test_float32_peaked_policy_keeps_its_tail():
     a = torch.tensor([0])
     top = mu.log().topk(20, -1)
     rollout = rollout_of(mu.log(), a, top.indices, top.values, full=True)
-    s32, s64 = policy_stats(z.float(), a, rollout), policy_stats(z, a, rollout)
+    s32, s64 = (policy_stats(x, a, rollout, need_exactpi=True) for x in (z.float(), z))
     for kind in ("tv", "kl"):
         for est in ("full", "aggregated", "uniform", "proportional", "exactpi"):
             g32, g64 = predicted_change(s32, kind, est).double(), predicted_change(s64, kind, est)
@@ -285,7 +288,7 @@ def test_neg_inf_topk_logprobs_mean_probability_zero():
     vals[:, -2:] = float("-inf")  # the engine's distribution has no mass there (e.g. top-p sampling)
     a = ids[:, 0]  # sampled among the finite top-K entries
     rollout = RolloutLogprobs(vals[:, 0], ids, vals)
-    stats = policy_stats(z, a, rollout)
+    stats = policy_stats(z, a, rollout, need_exactpi=True)
     for kind in ("tv", "kl"):
         assert torch.isfinite(divergence(stats, kind, "topk")).all()
         for est in ("aggregated", "uniform", "proportional", "exactpi"):

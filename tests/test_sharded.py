@@ -54,6 +54,8 @@ def outcomes(stats, adv) -> dict:
         m = METHODS[name]
         if m.needs == "full" and not stats.has_full or m.needs == "topk" and not stats.has_topk or m.needs_head and stats.head is None:
             continue
+        if m.needs_exactpi and stats.exactpi_sums is None:  # asked for up front (need_exactpi=True) or not at all
+            continue
         d = decide(name, stats, adv)
         out[name] = (d.keep, d.divergence, d.direction)
     return out
@@ -111,7 +113,7 @@ def _reference(world: int, variant: str) -> tuple[dict, torch.Tensor]:
     vocab, width, z, _, _, _, w, _, adv, g = inputs(world)
     a, rollout, mask = variant_inputs(world, "lazy" if variant in ("eager", "full_shard") else variant)
     full = z[..., :vocab].clone().requires_grad_(True)
-    stats = policy_stats(full, a, rollout, head_weight=w[:vocab], response_mask=mask)
+    stats = policy_stats(full, a, rollout, head_weight=w[:vocab], response_mask=mask, need_exactpi=variant == "eager")
     out = outcomes(stats, adv)
     (stats.logp * g).sum().backward()
     grad = torch.cat([full.grad, torch.zeros(SHAPE + (world * width - vocab,))], -1)
@@ -152,11 +154,13 @@ def test_logits_shards_give_the_unsharded_statistics_masks_and_gradients(world):
             got = got[variant]
             assert_same({k: v for k, v in got.items() if k in want}, want)
             assert torch.allclose(got["grad"], grad[..., rank * width : (rank + 1) * width], atol=1e-6), (variant, rank)
-    # The pass's traffic (docs/sharded.md): 4·(1 + 3 + C + d) bytes per position with the head (C = K + 1),
-    # then 4·(5 + 2d) more with a full μ; never O(V).
-    c = 1 if world == 4 else K + 1
-    assert results[0]["binary" if world == 4 else "topk"]["pass_bytes"] == 15 * 4 * (1 + 3 + c + D)
-    assert results[0]["lazy"]["pass_bytes"] == 15 * 4 * (1 + 3 + K + 1 + D + 5 + 2 * D)
+    # The pass's traffic (docs/sharded.md): 4·(1 + 3 + C + d) bytes per position with the head (C = K + 1), then
+    # the head's rows at S, 4·4d with top-K (none with binary information), and 4·(5 + 2d) more with a full μ;
+    # never O(V). The masks communicate nothing.
+    assert results[0]["binary" if world == 4 else "topk"]["pass_bytes"] == 15 * 4 * (
+        (1 + 3 + 1 + D) if world == 4 else (1 + 3 + K + 1 + D + 4 * D)
+    )
+    assert results[0]["lazy"]["pass_bytes"] == 15 * 4 * (1 + 3 + K + 1 + D + 5 + 2 * D + 4 * D)
 
 
 

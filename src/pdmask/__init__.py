@@ -2,7 +2,6 @@
 
 from pdmask.estimators import divergence, predicted_change
 from pdmask.exact import exact_divergence
-from pdmask.hidden import policy_stats_from_hidden
 from pdmask.loss import (
     AGG_MODES,
     FRACTION_DENOMINATORS,
@@ -16,7 +15,8 @@ from pdmask.loss import (
 )
 from pdmask.methods import METHODS, MaskDecision, MaskMethod, decide, get_method, method_thresholds, trust_region_mask
 from pdmask.rollout import RolloutLogprobs
-from pdmask.stats import FullReductions, PolicyStats, policy_stats, stats_from_set
+from pdmask.stats import policy_stats, policy_stats_from_hidden, stats_from_set
+from pdmask.types import FullReductions, PolicyStats
 
 __version__ = "0.1.0"
 

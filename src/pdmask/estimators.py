@@ -12,7 +12,7 @@ from torch import Tensor
 
 from pdmask.backbone import BACKBONE_ESTIMATORS, backbone_change
 from pdmask.exact import KINDS
-from pdmask.stats import FullReductions, PolicyStats
+from pdmask.types import FullReductions, PolicyStats
 
 INFOS = ("binary", "topk", "full")
 #: The paper's top-K estimators of G (docs/method.md): the aggregated tail and the uniform tail.

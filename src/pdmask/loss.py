@@ -10,7 +10,8 @@ from torch import Tensor
 from pdmask.estimators import SQ_NORM_ESTIMATORS, divergence, predicted_change
 from pdmask.methods import DELTA_TV, MaskDecision, MaskMethod, beyond_threshold, decide, get_method
 from pdmask.rollout import RolloutLogprobs, as_bool_mask
-from pdmask.stats import PolicyStats, policy_stats
+from pdmask.stats import policy_stats
+from pdmask.types import PolicyStats
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 

@@ -20,7 +20,7 @@ from pdmask.estimators import (
     predicted_change,
 )
 from pdmask.rollout import Checks, as_bool_mask
-from pdmask.stats import PolicyStats
+from pdmask.types import PolicyStats
 
 DELTA_TV = 0.15
 DELTA_KL = 0.05

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from pdmask.vocab_pass import Accumulators, Prepared
+from pdmask.backends.accumulators import Accumulators
+from pdmask.backends.inputs import Prepared
 
 #: "1": use the fused kernels wherever Triton runs; anything else: the chunked torch pass.
 ENV = "PDMASK_TRITON"

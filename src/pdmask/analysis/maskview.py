@@ -16,7 +16,7 @@ from torch import Tensor
 
 from pdmask import METHODS, MaskMethod, decide
 from pdmask.analysis.rates import clustered_rate
-from pdmask.stats import PolicyStats
+from pdmask.types import PolicyStats
 
 #: The rules that drop tokens beyond δ by a direction test (method.md's mask rules).
 DIRECTION_RULES = ("dppo", "pdm")

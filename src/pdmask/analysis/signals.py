@@ -17,7 +17,7 @@ from pdmask.analysis.maskview import direction_methods, mask_decisions
 from pdmask.analysis.model import final_hidden, head_logits, unembedding
 from pdmask.analysis.records import FULL_ESTIMATORS, PDM_METHODS, TOPK_ESTIMATORS, record_masks
 from pdmask.estimators import KINDS
-from pdmask.vocab_pass import row_slices
+from pdmask.rows import row_slices
 
 if TYPE_CHECKING:
     from pdmask.lab.engine import RolloutBatch

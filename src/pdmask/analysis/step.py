@@ -12,7 +12,7 @@ from pdmask.analysis.config import AnalysisConfig
 from pdmask.analysis.model import accumulate_step_grad, final_hidden, head_logits, unembedding
 from pdmask.analysis.truth import full_divergence
 from pdmask.estimators import KINDS
-from pdmask.vocab_pass import row_slices
+from pdmask.rows import row_slices
 
 if TYPE_CHECKING:
     from pdmask.lab.engine import RolloutBatch

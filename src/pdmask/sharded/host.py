@@ -1,4 +1,5 @@
-"""Statistics from what a host already computed on its vocabulary shard (log π(a), ‖π‖²), plus the logits at S."""
+"""Statistics from what a host already computed on its vocabulary shard (log π(a), ‖π‖²), plus the logits at S:
+the from-a-set backend over the ranks, for the methods it can serve (the registry says which)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pdmask.backends.from_set import stats_from_set
+from pdmask.backends.inputs import compute_dtype, prepare
+from pdmask.backends.shard import VocabShard, agreed, shard_of
+from pdmask.methods import get_method
 from pdmask.rollout import RolloutLogprobs
-from pdmask.sharded.shard import (
-    VocabShard,
-    agreed,
-    shard_of,
-)
-from pdmask.stats import PolicyStats, stats_from_set
-from pdmask.vocab_pass import (
-    prepare,
-)
+from pdmask.types import PolicyStats
 
 #: The methods whose statistics need only π at S, π_R, ‖π‖² and V: what ``stats_from_shard`` (a host that
 #: already has log π(a) and ‖π‖²) can serve. The others need sums over the vocabulary (``policy_stats``).
@@ -39,7 +36,7 @@ def gather_set_logits(logits: Tensor, set_ids: Tensor, *, tp_group: dist.Process
         return shard
 
     shard = agreed(tp_group, check, lambda s: [s.width, set_ids.numel(), s.vocab], logits)
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(logits.dtype)
     owned = shard.owned(set_ids)
     z = logits.detach().gather(-1, shard.local(set_ids, 0)).to(dtype)
     return shard.all_reduce(torch.where(owned, z, 0.0))
@@ -71,8 +68,6 @@ def stats_from_shard(
             sum over the vocabulary (``*_full_*``, ``pdm_backbone_*``, ``pdm_exactpi_tv``): use ``policy_stats``.
         response_mask: [...] 0/1, as for ``policy_stats``: positions outside it may hold any padding.
     """
-    from pdmask.methods import get_method
-
     def check() -> tuple[VocabShard, RolloutLogprobs, Tensor]:
         refused = [m for m in (get_method(x) for x in methods)
                    if m.info == "full" or m.estimator in HOST_REFUSED_ESTIMATORS or m.needs_exactpi]  # fmt: skip
@@ -87,8 +82,7 @@ def stats_from_shard(
         shape = tuple(logits.shape[:-1])
         if not isinstance(logp, Tensor) or tuple(logp.shape) != shape:
             raise ValueError(f"logp must be log π(a) of shape {shape}.")
-        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        prep = prepare(tokens, rollout, response_mask, shape, shard.vocab, dtype, "logits")
+        prep = prepare(tokens, rollout, response_mask, "logits", tuple(logits.shape), shard, compute_dtype(logits.dtype))
         return shard, prep.rollout, prep.tokens
 
     shard, checked, a = agreed(tp_group, check, lambda r: [r[0].width, r[2].numel(), r[1].k, r[0].vocab], logits)

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pdmask.backends.dense import chunk_rows
 from pdmask.loss import policy_loss
 from pdmask.stats import policy_stats
 from pdmask.tools.counts import count
 from pdmask.triton_pass import kernels_run_on, kernels_switched
-from pdmask.vocab_pass import chunk_rows
 
 #: The small case the counts are taken on: positions, vocabulary, K.
 SMALL = (16, 300, 20)

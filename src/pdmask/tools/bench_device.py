@@ -28,10 +28,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from pdmask.hidden import policy_stats_from_hidden
 from pdmask.jsonio import dumps
 from pdmask.rollout import RolloutLogprobs
-from pdmask.stats import policy_stats
+from pdmask.stats import policy_stats, policy_stats_from_hidden
 from pdmask.triton_pass import kernels_run_on, kernels_switched
 
 #: Which floor each path is a ratio to.

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pdmask.hidden import policy_stats_from_hidden
 from pdmask.methods import trust_region_mask
 from pdmask.rollout import RolloutLogprobs
-from pdmask.stats import policy_stats
+from pdmask.stats import policy_stats, policy_stats_from_hidden
 
 HIDDEN_PATHS = ("fused", "backbone", "matmul_stats", "matmul_plain", "trl_sq")
 RATIO_PATHS = HIDDEN_PATHS[2:]

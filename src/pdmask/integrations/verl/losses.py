@@ -18,7 +18,8 @@ from verl.utils.torch_functional import masked_mean
 from pdmask.loss import decision_loss, mask_metrics
 from pdmask.methods import METHODS, MaskMethod, decide, get_method, method_thresholds
 from pdmask.rollout import RolloutLogprobs
-from pdmask.stats import PolicyStats, stats_from_set
+from pdmask.stats import stats_from_set
+from pdmask.types import PolicyStats
 
 #: The ratio cap verl's ``dppo_tv``/``dppo_kl`` fall back to when a config lacks ``clip_ratio_c``. verl's
 #: ActorConfig always sets that key (default 3.0), so in a verl run the cap is the config's.

@@ -33,7 +33,8 @@ from pdmask.integrations.verl.layout import local_rows, tensor_parallel_group
 from pdmask.integrations.verl.losses import loss_name, method_of, register
 from pdmask.methods import METHODS, MaskMethod
 from pdmask.rollout import RolloutLogprobs
-from pdmask.stats import PolicyStats, policy_stats
+from pdmask.stats import policy_stats
+from pdmask.types import PolicyStats
 
 #: Batch keys of the rollout's top-K, response-aligned [batch, response_len, K]: ids (int) and log μ.
 TOPK_IDS = "rollout_topk_ids"
