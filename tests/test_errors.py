@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmask import RolloutLogprobs, policy_loss, policy_stats, predicted_change, stats_from_set, trust_region_mask
+from pdmask import (
+    RolloutLogprobs,
+    policy_loss,
+    policy_stats,
+    policy_stats_from_hidden,
+    predicted_change,
+    stats_from_set,
+    trust_region_mask,
+)
 
 from conftest import make_case, rollout_of
 
@@ -141,3 +149,48 @@ def test_exactpi_estimator_without_what_it_needs():
     expect(ValueError, "vocab_size must be an int >= 5", stats_from_set, parts.logp, a, r, set_logp, vocab_size=3)
     expect(ValueError, "needs topk information", trust_region_mask, "pdm_exactpi_tv",
            policy_stats(z, a, rollout_of(logmu, a)), torch.ones(N))
+
+
+def batch_case(b: int = 2, t: int = 5, v: int = 7, k: int = 3):
+    """Logits [b, t, V], tokens, a top-K rollout, advantages and a response mask [b, t]."""
+    z, logmu, a, ids, vals = make_case(b * t, v, k)
+    r = rollout_of(logmu, a, ids, vals)
+    shaped = RolloutLogprobs(r.logp.reshape(b, t), ids.reshape(b, t, k), vals.reshape(b, t, k))
+    return z.reshape(b, t, v), a.reshape(b, t), shaped, torch.ones(b, t), torch.ones(b, t)
+
+
+def message(fn, *args, **kw) -> str:
+    with pytest.raises(ValueError) as e:
+        fn(*args, **kw)
+    return str(e.value)
+
+
+def test_a_shape_error_names_the_tensor_that_disagrees_with_the_tokens():
+    z, a, r, adv, mask = batch_case()
+    short = message(policy_loss, "pdm_proportional_tv", z[:, :-1], a, r, adv, mask)  # unshifted: one position short
+    assert short.startswith("logits has shape (2, 4, 7); expected (2, 5, 7) = tokens' shape (2, 5) + (V,)"), short
+    assert "logits = model(ids).logits[:, :-1] and tokens = ids[:, 1:]" in short
+    h, w = torch.randn(2, 4, 3, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    hidden = message(policy_stats_from_hidden, h, w, a, r, response_mask=mask)
+    assert hidden.startswith("hidden has shape (2, 4, 3); expected (2, 5, 3) = tokens' shape (2, 5) + (d,)"), hidden
+    tokens = message(policy_loss, "pdm_proportional_tv", z, a[:, :-1], r, adv, mask)  # the others agree with the logits
+    assert tokens.startswith("tokens has shape (2, 4); expected the logits' leading shape (2, 5), which rollout.logp and "
+                             "response_mask share"), tokens  # fmt: skip
+
+
+def test_non_finite_logits_say_how_many_where_and_whether_in_the_response():
+    z, a, r, adv, mask = batch_case()
+    bad = z.clone()
+    bad[1, 2, 0] = float("nan")
+    bad[1, 4, 3] = float("inf")
+    inside = message(policy_loss, "pdm_proportional_tv", bad, a, r, adv, mask)
+    assert "logits contain NaN or +inf (or a row of only -inf) at 2 positions, the first at (1, 2), inside the response mask" in inside
+    mask[1, 2] = 0  # outside the response it still fails: 0·NaN is NaN in the loss
+    outside = message(policy_loss, "pdm_proportional_tv", bad, a, r, adv, mask)
+    assert "at 2 positions, the first at (1, 2), outside the response mask (it would still poison the loss through 0·NaN)" in outside
+    assert "at 2 positions, the first at (1, 2); " in message(policy_stats, bad, a, r)  # no mask: nothing to say about it
+    zero = z.clone()
+    zero[0, 3, a[0, 3]] = float("-inf")
+    assert "-inf at a sampled token at 1 position, the first at (0, 3), inside the response mask" in message(
+        policy_loss, "pdm_proportional_tv", zero, a, r, adv, torch.ones(2, 5)
+    )

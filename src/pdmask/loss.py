@@ -132,7 +132,9 @@ def policy_loss(
     """(loss, metrics) of the masked DPPO-form surrogate −M·sg(min(r, c))·A·log π(a), aggregated by ``agg``.
 
     logits [B, T, V] with tokens, response_mask and advantages [B, T] (advantages may be per sequence
-    [B]); or packed logits [N, V] with tokens, response_mask and advantages [N]. ``head_weight``: the LM
+    [B]); or packed logits [N, V] with tokens, response_mask and advantages [N]. ``logits[:, t]`` scores
+    ``tokens[:, t]``: they are already shifted (for a causal LM, ``logits = model(ids).logits[:, :-1]`` and
+    ``tokens = ids[:, 1:]``), and the tokens' shape is the one the others are checked against. ``head_weight``: the LM
     head W [V, d] the logits came from, needed by the backbone-aware ``pdm_backbone_*`` methods.
     ``validate=False`` skips the value checks of the inputs (for inputs checked once already); with
     ``tensor_metrics=True`` the metrics stay 0-d tensors on the device (``metrics_to_floats`` reads them
