@@ -201,6 +201,27 @@ def test_bf16_inputs_give_the_statistics_of_their_float32_copies():
     assert torch.allclose(low.rest_mass.double(), rest, atol=2e-6)
 
 
+def test_without_wide_matmuls_the_operands_are_upcast_once_detected(monkeypatch):
+    """A torch whose float32-output matmuls of bf16 operands raise (CPU kernels here; ``addmm`` with a float32 self
+    in torch 2.11 on CUDA) falls back to the upcast operands on the first failure, and stays there."""
+    from pdmask.backends import hidden as backend
+
+    for name, overload in (("MM", "mm.dtype_out"), ("ADDMM", "addmm.dtype_out")):
+        monkeypatch.setattr(backend, name, backend.WideMatmul(overload, devices=("cpu",)))  # try them, as on CUDA
+    h, w, b, a, rollout = head_case(12, 300, 16, 4, seed=5, dtype=torch.bfloat16)
+    runs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        leaves = [x.detach().to(dtype).requires_grad_(True) for x in (h, w, b)]
+        stats = policy_stats_from_hidden(*leaves[:2], a, rollout, bias=leaves[2], need_exactpi=True, block_rows=5, block_vocab=128)
+        stats.logp.sum().backward()
+        runs.append((stats, [x.grad.float() for x in leaves]))
+    assert backend.MM.works is False and backend.ADDMM.works is False  # tried once each, then upcast
+    (low, low_grads), (copies, copy_grads) = runs
+    assert_same_stats(low, copies, 1e-6)
+    for got, want in zip(low_grads, copy_grads):
+        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.gpu
 def test_bf16_on_cuda_matches_its_float32_copies_forward_and_backward():
     """The CUDA branch: bf16 matmuls with float32 output (``MM_OUT_DTYPE``) forward and in the gradients."""
