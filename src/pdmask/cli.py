@@ -1,6 +1,7 @@
 """The `pdmask` command: one subcommand per module, imported only when it runs.
 
-Each subcommand module exposes ``HELP: str``, ``add_arguments(parser)`` and ``run(args) -> int``.
+Each subcommand module exposes ``HELP: str`` (its description), ``add_arguments(parser)`` and ``run(args) -> int``;
+the one-line summaries of ``pdmask --help`` live here, so that listing the commands imports none of them.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ import argparse
 import importlib
 import sys
 
-COMMANDS: dict[str, str] = {
-    "compare": "pdmask.lab.compare_cli",
-    "train": "pdmask.lab.train_cli",
-    "analyze": "pdmask.analysis.cli",
-    "bench": "pdmask.tools.bench",
-    "demo": "pdmask.tools.demo",
-    "backbone-scale": "pdmask.tools.backbone_scale",
+#: Subcommand: (module, one-line summary for ``pdmask --help``).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "compare": ("pdmask.lab.compare_cli", "compare the masks in small RL runs; writes a report"),
+    "train": ("pdmask.lab.train_cli", "one small RL run from a config file"),
+    "analyze": ("pdmask.analysis.cli", "how well each direction signal predicts the change of D"),
+    "bench": ("pdmask.tools.bench", "time, memory, launches and compiled SASS of the statistics"),
+    "demo": ("pdmask.tools.demo", "every method's mask side by side on a synthetic batch"),
+    "backbone-scale": ("pdmask.tools.backbone_scale", "the backbone's kernel scale κ against the LM head's ‖h‖²"),
 }
 
 
@@ -25,14 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Only the chosen subcommand's module is imported, so one command never pays another's imports.
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, module_name in COMMANDS.items():
+    for name, (module_name, summary) in COMMANDS.items():
+        p = sub.add_parser(name, help=summary)
         if name == chosen:
             module = importlib.import_module(module_name)
-            p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+            p.description = module.HELP
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
-        else:
-            sub.add_parser(name, help=f"(see `pdmask {name} --help`)")
     args = parser.parse_args(argv)
     if not hasattr(args, "_run"):
         parser.print_help()
