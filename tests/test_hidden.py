@@ -224,7 +224,7 @@ def test_without_wide_matmuls_the_operands_are_upcast_once_detected(monkeypatch)
 
 @pytest.mark.gpu
 def test_bf16_on_cuda_matches_its_float32_copies_forward_and_backward():
-    """The CUDA branch: bf16 matmuls with float32 output (``MM_OUT_DTYPE``) forward and in the gradients."""
+    """The CUDA branch: bf16 matmuls with float32 output (``pdmask.backends.hidden.MM`` and ``ADDMM``) forward and in the gradients."""
     h, w, b, a, rollout = head_case(40, 3000, 64, 5, seed=8, dtype=torch.bfloat16)
     cuda = lambda x: x.cuda()
     rollout = RolloutLogprobs(*(None if x is None else x.cuda() for x in (rollout.logp, rollout.topk_ids, rollout.topk_logp)))

@@ -151,7 +151,7 @@ def policy_loss(
         rollout,
         chunk_size=chunk_size,
         need_sq_norm=need_sq,
-        need_exactpi=m.needs_exactpi,  # in the same pass: a second pass on first use would cost more
+        need_exactpi=m.needs_exactpi,  # asked for up front: without them the exactpi TV raises
         response_mask=response_mask,
         head_weight=head_weight,
         validate=validate,

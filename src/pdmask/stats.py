@@ -64,23 +64,22 @@ def policy_stats(
         vocab_size: the real vocabulary V when the logits are padded (Megatron pads to a multiple of 128·tp):
             padded ids never enter π and ids >= V are refused. Default: every column is real.
     """
-    dtype = compute_dtype(logits.dtype) if isinstance(logits, Tensor) else torch.float32
 
     def check() -> tuple[VocabShard, Prepared]:
         shard = shard_of(logits, tp_group, vocab_size)
-        prep = prepare(tokens, rollout, response_mask, "logits", tuple(logits.shape), shard, dtype, validate)
+        prep = prepare(tokens, rollout, response_mask, "logits", tuple(logits.shape), shard, compute_dtype(logits.dtype), validate)
         check_chunk_size(chunk_size)
         check_head_weight(head_weight, shard.width, logits.device, rows="V" if tp_group is None else "V/tp")
         return shard, prep
 
     d = head_weight.shape[1] if isinstance(head_weight, Tensor) and head_weight.dim() == 2 else None
-    shard, prep = agreed(tp_group, check, lambda r: signature(*r, need_sq_norm, need_exactpi, d, dtype), logits)
+    shard, prep = agreed(tp_group, check, lambda r: signature(*r, need_sq_norm, need_exactpi, d), logits)
     if tp_group is None and vocab_size is None and use_fused(logits, prep, head_weight):
         acc, logp = fused_logits_pass(logits, prep, need_sq_norm, need_exactpi)
         if validate:
             check_finite(prep, acc, "logits")
         return assemble(prep, acc, logp)
-    backend = DenseLogits(logits, prep, shard, dtype, chunk_size, need_exactpi, head_weight)
+    backend = DenseLogits(logits, prep, shard, chunk_size, need_exactpi, head_weight)
     return run_pass(backend, prep, shard, need_sq_norm, need_exactpi, validate)
 
 
@@ -130,30 +129,26 @@ def policy_stats_from_hidden(
     hidden states a float32 [N, d] accumulator of their gradient.
     """
 
-    def check() -> tuple[VocabShard, Prepared, tuple[float, int, int, torch.dtype]]:
+    def check() -> tuple[VocabShard, Prepared, tuple[float, int, int]]:
         if tp_group is not None and (not isinstance(weight, Tensor) or weight.dim() != 2):
             raise ValueError(f"weight must be this rank's [V/tp, d] rows of the LM head, got {type(weight).__name__}.")
         if tp_group is not None and bias is not None and (not isinstance(bias, Tensor) or bias.shape != weight.shape[:1]):
             raise ValueError(f"bias must be this rank's [V/tp] = [{weight.shape[0]}] entries of the LM head's bias.")
         options = HiddenBlocks.checked(hidden, weight, bias, temperature, block_rows, block_vocab)
         shard = VocabShard.of(tp_group, weight.shape[0], vocab_size)
-        prep = prepare(tokens, rollout, response_mask, "hidden states", tuple(hidden.shape), shard, options[3], validate)
+        prep = prepare(tokens, rollout, response_mask, "hidden states", tuple(hidden.shape), shard, compute_dtype(hidden.dtype), validate)
         return shard, prep, options
 
     d = hidden.shape[-1] if need_backbone and isinstance(hidden, Tensor) else None
-    shard, prep, (t, rows, cols, dtype) = agreed(
-        tp_group, check, lambda r: signature(r[0], r[1], need_sq_norm, need_exactpi, d, r[2][3]), hidden
-    )
-    backend = HiddenBlocks.of(hidden, weight, bias, t, rows, cols, dtype, prep, shard, need_backbone, reduce_hidden_grad)
+    shard, prep, (t, rows, cols) = agreed(tp_group, check, lambda r: signature(r[0], r[1], need_sq_norm, need_exactpi, d), hidden)
+    backend = HiddenBlocks.of(hidden, weight, bias, t, rows, cols, prep, shard, need_backbone, reduce_hidden_grad)
     return run_pass(backend, prep, shard, need_sq_norm, need_exactpi, validate)
 
 
-def signature(
-    shard: VocabShard, prep: Prepared, need_sq_norm: bool, need_exactpi: bool, head_dim: int | None, dtype: torch.dtype
-) -> list[int]:
+def signature(shard: VocabShard, prep: Prepared, need_sq_norm: bool, need_exactpi: bool, head_dim: int | None) -> list[int]:
     """The sizes and options the ranks' collectives depend on, for ``agreed``."""
     return [shard.width, prep.n, prep.set_ids.shape[1], prep.vocab, int(prep.full_logp is not None), int(need_sq_norm),
-            int(need_exactpi), -1 if head_dim is None else head_dim, torch.finfo(dtype).bits]  # fmt: skip
+            int(need_exactpi), -1 if head_dim is None else head_dim, torch.finfo(prep.dtype).bits]  # fmt: skip
 
 
 def check_chunk_size(chunk_size: object) -> None:

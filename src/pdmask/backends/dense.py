@@ -46,13 +46,13 @@ class DenseLogits:
     source = "logits"
 
     def __init__(
-        self, logits: Tensor, prep: Prepared, shard: VocabShard, dtype: torch.dtype, rows: int | None,
-        need_exactpi: bool, head_weight: Tensor | None,
+        self, logits: Tensor, prep: Prepared, shard: VocabShard, rows: int | None, need_exactpi: bool,
+        head_weight: Tensor | None,
     ) -> None:
-        self.logits, self.prep, self.shard, self.dtype = logits, prep, shard, dtype
-        self.rows = rows or default_chunk(logits, dtype, 3 if need_exactpi else 2)
+        self.logits, self.prep, self.shard, self.dtype = logits, prep, shard, prep.dtype
+        self.rows = rows or default_chunk(logits, self.dtype, 3 if need_exactpi else 2)
         # Cast once: every chunk spans the whole shard.
-        self.head_weight = None if head_weight is None else head_weight.detach()[: shard.real].to(dtype)
+        self.head_weight = None if head_weight is None else head_weight.detach()[: shard.real].to(self.dtype)
         self.cols = shard.local(prep.set_ids, shard.real)
 
     def buffers(self, need_sign: bool) -> Buffers:

@@ -78,9 +78,8 @@ class HiddenBlocks:
     @staticmethod
     def checked(
         hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, rows: int | None, cols: int | None
-    ) -> tuple[float, int, int, torch.dtype]:
-        """(temperature, block rows, block vocabulary, compute dtype) once the arguments are checked against
-        hidden [..., d]."""
+    ) -> tuple[float, int, int]:
+        """(temperature, block rows, block vocabulary) once the arguments are checked against hidden [..., d]."""
         if not isinstance(hidden, Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
             raise TypeError("hidden must be a floating-point torch.Tensor of shape [..., d].")
         if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] < 2:
@@ -109,12 +108,12 @@ class HiddenBlocks:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
         default_rows, default_cols = (CUDA_BLOCK_ROWS, CUDA_BLOCK_VOCAB) if hidden.is_cuda else (BLOCK_ROWS, BLOCK_VOCAB)
-        return float(temperature), rows or default_rows, cols or default_cols, compute_dtype(hidden.dtype)
+        return float(temperature), rows or default_rows, cols or default_cols
 
     @staticmethod
     def of(
         hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, rows: int, cols: int,
-        dtype: torch.dtype, prep: Prepared, shard: VocabShard, need_backbone: bool, reduce_hidden_grad: bool,
+        prep: Prepared, shard: VocabShard, need_backbone: bool, reduce_hidden_grad: bool,
     ) -> HiddenBlocks:
         """The backend of ``hidden`` with this rank's real rows of ``weight`` and ``bias`` (as ``checked`` them)."""
         real = slice(0, shard.real)
@@ -122,7 +121,7 @@ class HiddenBlocks:
         source = SumGradOverRanks.apply(hidden, shard) if reduce_hidden_grad and shard.group is not None else hidden
         return HiddenBlocks(
             hidden.detach().reshape(-1, hidden.shape[-1]), weight.detach()[real], rows_of(None if bias is None else bias.detach()),
-            temperature, rows, min(cols, shard.real), dtype, shard.local(prep.set_ids, -1),
+            temperature, rows, min(cols, shard.real), prep.dtype, shard.local(prep.set_ids, -1),
             shard.local(prep.flat_tokens, -1), need_backbone, (source, weight[real], rows_of(bias)),
         )
 

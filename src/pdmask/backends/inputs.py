@@ -62,6 +62,11 @@ class Prepared:
         return self.tokens.numel()
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype the inputs were prepared in."""
+        return self.set_mu.dtype
+
+    @property
     def flat_tokens(self) -> Tensor:
         return self.tokens.reshape(self.n)
 
@@ -142,8 +147,7 @@ def check_leading_shape(
             f"tokens has shape {shape}; expected the {source}' leading shape {lead}, which rollout.logp"
             f"{' and response_mask' if len(others) > 1 else ''} share: {ALIGNMENT}."
         )
-    name = source.split()[0] if source != "hidden states" else "hidden"
-    last = "d" if name == "hidden" else "V"
+    name, last = ("hidden", "d") if source == "hidden states" else (source, "V")
     raise ValueError(
         f"{name} has shape {source_shape}; expected {shape + source_shape[-1:]} = tokens' shape {shape} + ({last},): "
         f"{ALIGNMENT}."

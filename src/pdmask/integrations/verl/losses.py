@@ -15,6 +15,7 @@ from torch import Tensor
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl.utils.torch_functional import masked_mean
 
+from pdmask.backends.inputs import compute_dtype
 from pdmask.loss import decision_loss, mask_metrics
 from pdmask.methods import METHODS, MaskMethod, decide, get_method, method_thresholds
 from pdmask.rollout import RolloutLogprobs
@@ -64,7 +65,7 @@ def binary_stats(log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor) 
     A registered loss sees no token ids; binary statistics need none, so every position gets id 0.
     """
     mask = response_mask.bool()
-    dtype = torch.float64 if log_prob.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(log_prob.dtype)
     tokens = torch.zeros(mask.shape, dtype=torch.long, device=log_prob.device)
     rollout = RolloutLogprobs(old_log_prob).masked(mask).validated(tokens, 1, dtype)
     logp = torch.where(mask, log_prob.to(dtype), 0.0)  # padding may hold anything; it gets no weight
