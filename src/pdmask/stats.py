@@ -130,11 +130,8 @@ def policy_stats_from_hidden(
     """
 
     def check() -> tuple[VocabShard, Prepared, tuple[float, int, int]]:
-        if tp_group is not None and (not isinstance(weight, Tensor) or weight.dim() != 2):
-            raise ValueError(f"weight must be this rank's [V/tp, d] rows of the LM head, got {type(weight).__name__}.")
-        if tp_group is not None and bias is not None and (not isinstance(bias, Tensor) or bias.shape != weight.shape[:1]):
-            raise ValueError(f"bias must be this rank's [V/tp] = [{weight.shape[0]}] entries of the LM head's bias.")
-        options = HiddenBlocks.checked(hidden, weight, bias, temperature, block_rows, block_vocab)
+        rows = "V" if tp_group is None else "V/tp"
+        options = HiddenBlocks.checked(hidden, weight, bias, temperature, block_rows, block_vocab, rows)
         shard = VocabShard.of(tp_group, weight.shape[0], vocab_size)
         prep = prepare(tokens, rollout, response_mask, "hidden states", tuple(hidden.shape), shard, compute_dtype(hidden.dtype), validate)
         return shard, prep, options

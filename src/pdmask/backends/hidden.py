@@ -77,16 +77,18 @@ class HiddenBlocks:
 
     @staticmethod
     def checked(
-        hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, rows: int | None, cols: int | None
+        hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, rows: int | None, cols: int | None,
+        vocab: str = "V",
     ) -> tuple[float, int, int]:
-        """(temperature, block rows, block vocabulary) once the arguments are checked against hidden [..., d]."""
+        """(temperature, block rows, block vocabulary) once the arguments are checked against hidden [..., d]; ``vocab``
+        names weight's rows in errors ("V", or "V/tp" for this rank's rows under tensor parallelism)."""
         if not isinstance(hidden, Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
             raise TypeError("hidden must be a floating-point torch.Tensor of shape [..., d].")
         if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] < 2:
-            raise ValueError(f"weight must be the LM head's [V, d] tensor with V >= 2, got {_shape_of(weight)}.")
+            raise ValueError(f"weight must be the LM head's [{vocab}, d] tensor with {vocab} >= 2, got {_shape_of(weight)}.")
         if weight.shape[1] != hidden.shape[-1]:
             raise ValueError(
-                f"weight has shape {tuple(weight.shape)} but hidden has d = {hidden.shape[-1]}; weight must be [V, d]."
+                f"weight has shape {tuple(weight.shape)} but hidden has d = {hidden.shape[-1]}; weight must be [{vocab}, d]."
             )
         for name, x, want in (("weight", weight, (weight.shape[0], hidden.shape[-1])), ("bias", bias, (weight.shape[0],))):
             if x is None:
