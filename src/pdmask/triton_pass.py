@@ -6,8 +6,9 @@ Forward, one program per position and one read of its logits: an online log-sum-
 the final lse and take a second read. Backward of log π(a): ∂/∂z = g·(e_a − softmax(z)), one read and
 one write. The chunked torch pass (``pdmask.stats``) stays the reference and the fallback.
 
-Opt-in with ``PDMASK_TRITON=1`` wherever Triton runs (CUDA logits; CPU tensors under ``TRITON_INTERPRET=1``, as
-the tests do): the compiled kernels have not run on a GPU yet (scripts/gpu_check.sh is their check).
+Opt-in wherever Triton runs (CUDA logits; CPU tensors under ``TRITON_INTERPRET=1``, as the tests do):
+``PDMASK_TRITON=1`` in the environment, read once when this module is imported, or ``fused_kernels(True)`` around
+the calls; the compiled kernels have not run on a GPU yet (scripts/gpu_check.sh is their check).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import functools
 import os
 import warnings
 from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,10 +27,31 @@ from torch import Tensor
 from pdmask.backends.accumulators import Accumulators
 from pdmask.backends.inputs import Prepared
 
-#: "1": use the fused kernels wherever Triton runs; anything else: the chunked torch pass.
+#: The environment variable read once, when this module is imported: "1" turns the fused kernels on wherever
+#: Triton runs; anything else leaves the chunked torch pass.
 ENV = "PDMASK_TRITON"
 #: Logit dtypes the kernels read (they accumulate in float32; float64 logits take the torch pass).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_FROM_ENV = os.environ.get(ENV, "") == "1"
+_ASKED = f"The fused Triton kernels are asked for ({ENV}=1 or fused_kernels(True))"
+_override: ContextVar[bool | None] = ContextVar("pdmask_fused_kernels", default=None)
+
+
+def fused_requested() -> bool:
+    """Whether the fused kernels are asked for: ``fused_kernels``' setting inside one, else ``PDMASK_TRITON=1`` at import."""
+    override = _override.get()
+    return _FROM_ENV if override is None else override
+
+
+@contextlib.contextmanager
+def fused_kernels(on: bool) -> Iterator[None]:
+    """The fused kernels asked for (True) or not (False) inside the block, whatever ``PDMASK_TRITON`` says."""
+    token = _override.set(on)
+    try:
+        yield
+    finally:
+        _override.reset(token)
 
 
 @functools.cache
@@ -40,18 +64,18 @@ def triton_available() -> bool:
 
 
 def use_fused(logits: Tensor, prep: Prepared, head_weight: Tensor | None) -> bool:
-    """Whether ``policy_stats`` takes the fused kernels for these logits: only when ``PDMASK_TRITON=1`` asks for
-    them (opt-in until scripts/gpu_check.sh has passed on a GPU; the compiled kernels have run on none yet), and
-    only for the statistics they cover (no full μ, no LM head sums, logits whose positions are rows of one
-    stride); otherwise the chunked torch pass runs, with a warning when the kernels were asked for."""
-    if os.environ.get(ENV, "") != "1":
+    """Whether ``policy_stats`` takes the fused kernels for these logits: only when they are asked for
+    (``fused_requested``; opt-in until scripts/gpu_check.sh has passed on a GPU, where the compiled kernels have
+    run on none yet), and only for the statistics they cover (no full μ, no LM head sums, logits whose positions
+    are rows of one stride); otherwise the chunked torch pass runs, with a warning when the kernels were asked for."""
+    if not fused_requested():
         return False
     if not triton_available():
-        raise RuntimeError(f"{ENV}=1 asks for the fused Triton kernels, but triton does not import: pip install 'pdmask[gpu]'.")
+        raise RuntimeError(f"{_ASKED}, but triton does not import: pip install 'pdmask[gpu]'.")
     if not kernels_run_on(logits.device):
         raise RuntimeError(
-            f"{ENV}=1 on {logits.device.type} logits runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before triton is imported (or unset PDMASK_TRITON)."
+            f"{_ASKED} on {logits.device.type} logits, where they run in Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before triton is imported (or do not ask for them)."
         )
     why = (
         f"{logits.dtype} logits" if logits.dtype not in DTYPES else "a full μ" if prep.full_logp is not None
@@ -59,27 +83,13 @@ def use_fused(logits: Tensor, prep: Prepared, head_weight: Tensor | None) -> boo
         else "logits whose positions are not rows of one stride" if _as_rows(logits) is None else None
     )
     if why is not None:
-        warnings.warn(f"{ENV}=1, but the fused Triton kernels do not cover {why}: the chunked torch pass runs.", stacklevel=3)
+        warnings.warn(f"{_ASKED}, but they do not cover {why}: the chunked torch pass runs.", stacklevel=3)
     return why is None and prep.n > 0
 
 
 def kernels_run_on(device: torch.device) -> bool:
     """Whether the fused kernels can run on ``device``: compiled on CUDA, in Triton's interpreter elsewhere."""
     return triton_available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-@contextlib.contextmanager
-def kernels_switched(setting: str) -> Iterator[None]:
-    """``PDMASK_TRITON=setting`` inside the block ("1": the fused kernels, "0": the torch pass), as it was after."""
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = setting
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
 
 
 def _as_rows(logits: Tensor) -> Tensor | None:
@@ -104,12 +114,50 @@ def fused_logits_pass(logits: Tensor, prep: Prepared, need_sq_norm: bool, need_e
     return acc, torch.ops.pdmask.gather_logprob(rows, prep.flat_tokens, lse)
 
 
+class Launch(NamedTuple):
+    """One kernel launch: ``kernel[grid](*args, **constants)``; ``pdmask bench --part compiled`` compiles the same."""
+
+    kernel: Any  # a triton.JITFunction
+    grid: tuple[int]
+    args: tuple[Any, ...]
+    constants: dict[str, Any]  # constexpr parameters and launch options (num_warps)
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constants)
+
+
+#: Launch options: 4 warps (2,048 ids a step is 16 per thread: registers for several blocks per SM); FP fusion
+#: stated, not left to Triton's default (which Triton 3.10 turns off).
+_OPTIONS = {"num_warps": 4, "enable_fp_fusion": True}
+
+
 def _block(vocab: int, device: torch.device) -> int:
-    """Vocabulary ids per program step: the whole row when it is short, else 4,096 on a GPU (1,024 under the
-    interpreter, whose cost grows with the block)."""
+    """Vocabulary ids per program step: the whole row when it is short, else 4,096 where the kernels compile
+    (CUDA, or a meta tensor standing for it) and 1,024 in the interpreter (on the CPU, whose cost grows with the block)."""
     import triton
 
-    return min(triton.next_power_of_2(vocab), 4096 if device.type == "cuda" else 1024)
+    return min(triton.next_power_of_2(vocab), 1024 if device.type == "cpu" else 2048)
+
+
+def stats_launch(logits: Tensor, set_ids: Tensor, even_mu: Tensor, out: Tensor, need_sq: bool, need_exactpi: bool) -> Launch:
+    """The launch of the statistics kernel on logits [n, V] (unit stride along V) into out [5, n]."""
+    from pdmask._triton_kernels import stats_kernel
+
+    n, vocab = logits.shape
+    c = set_ids.shape[1]
+    return Launch(stats_kernel, (n,), (logits, logits.stride(0), set_ids, even_mu, out, n, vocab), dict(
+        C=c, CP=max(2, 1 << (c - 1).bit_length()), BLOCK=_block(vocab, logits.device), NEED_SQ=need_sq,
+        NEED_EXACTPI=need_exactpi, **_OPTIONS,
+    ))  # fmt: skip
+
+
+def grad_launch(logits: Tensor, tokens: Tensor, lse: Tensor, grad: Tensor, out: Tensor) -> Launch:
+    """The launch of the log π(a) backward kernel on logits [n, V] into out [n, V] (contiguous)."""
+    from pdmask._triton_kernels import logprob_grad_kernel
+
+    n, vocab = logits.shape
+    return Launch(logprob_grad_kernel, (n,), (logits, logits.stride(0), tokens, lse, grad, out, vocab),
+                  dict(BLOCK=_block(vocab, logits.device), **_OPTIONS))  # fmt: skip
 
 
 @torch.library.custom_op("pdmask::logits_stats", mutates_args=())
@@ -118,15 +166,9 @@ def logits_stats(
 ) -> Tensor:
     """[5, n] = (lse, π_R, Q, then the exactpi sums Σ_{j∉S} s_j π_j, Σ_{j∉S} s_j π_j²) of logits [n, V] (unit
     stride along V) with S's ids [n, C] and u = μ_R/T [n]; Q is 0 unless ``need_sq``, the sums unless ``need_exactpi``."""
-    from pdmask._triton_kernels import stats_kernel
-
-    n, vocab = logits.shape
-    out = torch.empty(5, n, dtype=torch.float32, device=logits.device)  # the kernel writes every entry
-    if n:
-        stats_kernel[(n,)](
-            logits, logits.stride(0), set_ids.contiguous(), even_mu.contiguous(), out, n, vocab,
-            C=set_ids.shape[1], BLOCK=_block(vocab, logits.device), NEED_SQ=need_sq, NEED_EXACTPI=need_exactpi,
-        )
+    out = torch.empty(5, logits.shape[0], dtype=torch.float32, device=logits.device)  # the kernel writes every entry
+    if logits.shape[0]:
+        stats_launch(logits, set_ids.contiguous(), even_mu.contiguous(), out, need_sq, need_exactpi)()
     return out
 
 
@@ -149,15 +191,9 @@ def _(logits, tokens, lse):
 @torch.library.custom_op("pdmask::logprob_backward", mutates_args=())
 def logprob_backward(logits: Tensor, tokens: Tensor, lse: Tensor, grad: Tensor) -> Tensor:
     """∂/∂z of Σ g·log π(a): g·(e_a − softmax(z)) [n, V] contiguous, in the logits' dtype."""
-    from pdmask._triton_kernels import logprob_grad_kernel
-
-    n, vocab = logits.shape
-    out = torch.empty(n, vocab, dtype=logits.dtype, device=logits.device)
-    if n:
-        logprob_grad_kernel[(n,)](
-            logits, logits.stride(0), tokens.contiguous(), lse.contiguous(), grad.float().contiguous(), out, vocab,
-            BLOCK=_block(vocab, logits.device),
-        )
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if logits.shape[0]:
+        grad_launch(logits, tokens.contiguous(), lse.contiguous(), grad.float().contiguous(), out)()
     return out
 
 
@@ -178,4 +214,7 @@ def _backward(ctx, grad: Tensor):
 
 gather_logprob.register_autograd(_backward, setup_context=_setup)
 
-__all__ = ["DTYPES", "ENV", "fused_logits_pass", "triton_available", "use_fused"]
+__all__ = [
+    "DTYPES", "ENV", "Launch", "fused_kernels", "fused_logits_pass", "fused_requested", "grad_launch", "kernels_run_on",
+    "stats_launch", "triton_available", "use_fused",
+]

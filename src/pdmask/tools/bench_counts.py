@@ -17,8 +17,9 @@ import torch
 from pdmask.backends.dense import chunk_rows
 from pdmask.loss import policy_loss
 from pdmask.stats import policy_stats
+from pdmask.tools.bench_common import print_table
 from pdmask.tools.counts import count
-from pdmask.triton_pass import kernels_run_on, kernels_switched
+from pdmask.triton_pass import fused_kernels, kernels_run_on
 
 #: The small case the counts are taken on: positions, vocabulary, K.
 SMALL = (16, 300, 20)
@@ -71,7 +72,7 @@ def launch_rows(vocab: int, positions: int, dtype: torch.dtype) -> list[LaunchRo
     n = SMALL[0]
     logit_bytes = positions * vocab * torch.tensor([], dtype=dtype).element_size()
     rows = []
-    with kernels_switched("0"):
+    with fused_kernels(False):
         for exactpi in (False, True):
             (f1, b1), (f2, b2) = _fwd_bwd(n, exactpi), _fwd_bwd(n // 2, exactpi)
             fixed_f, per_f, fixed_b, per_b = 2 * f1 - f2, f2 - f1, 2 * b1 - b2, b2 - b1
@@ -80,7 +81,7 @@ def launch_rows(vocab: int, positions: int, dtype: torch.dtype) -> list[LaunchRo
                 rows.append(LaunchRow(f"torch ({device} chunks)", exactpi, fixed_f, per_f, fixed_b, per_b, chunks,
                                       fixed_f + per_f * chunks, fixed_b + per_b * chunks))  # fmt: skip
     if kernels_run_on(torch.device("cpu")):  # the small case's logits are on the CPU: Triton's interpreter
-        with kernels_switched("1"):
+        with fused_kernels(True):
             for exactpi in (False, True):
                 f, b = _fwd_bwd(None, exactpi)
                 rows.append(LaunchRow("fused triton", exactpi, f, 0, b, 0, 1, f, b))
@@ -104,24 +105,17 @@ def sync_rows() -> list[SyncRow]:
 
 
 def render_counts(launches: list[LaunchRow], syncs: list[SyncRow], vocab: int, positions: int) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     n, v, k = SMALL
-    table = Table(title=f"launches per policy_stats call at V = {vocab:,}, N = {positions:,} (counted at N = {n}, V = {v}, K = {k})")
-    for col in ("path", "exactpi sums", "fwd fixed + per chunk", "bwd fixed + per chunk", "chunks", "forward", "backward"):
-        table.add_column(col, justify="right")
-    for r in launches:
-        table.add_row(r.path, "yes" if r.exactpi else "no", f"{r.forward_fixed} + {r.forward_per_chunk}",
-                      f"{r.backward_fixed} + {r.backward_per_chunk}", f"{r.chunks:,}", f"{r.forward:,}", f"{r.backward:,}")  # fmt: skip
-    console = Console(width=max(Console().width, 150))
-    console.print(table)
-    sync_table = Table(title=f"host-device syncs per call ({'pdm_proportional_tv'}, top-K rollout, torch pass)")
-    for col in ("call", "syncs", "launches"):
-        sync_table.add_column(col, justify="right")
-    for r in syncs:
-        sync_table.add_row(r.call, str(r.syncs), str(r.launches))
-    console.print(sync_table)
+    print_table(
+        f"launches per policy_stats call at V = {vocab:,}, N = {positions:,} (counted at N = {n}, V = {v}, K = {k})",
+        ("path", "exactpi sums", "fwd fixed + per chunk", "bwd fixed + per chunk", "chunks", "forward", "backward"),
+        ((r.path, "yes" if r.exactpi else "no", f"{r.forward_fixed} + {r.forward_per_chunk}",
+          f"{r.backward_fixed} + {r.backward_per_chunk}", f"{r.chunks:,}", f"{r.forward:,}", f"{r.backward:,}") for r in launches),
+    )  # fmt: skip
+    print_table(
+        "host-device syncs per call (pdm_proportional_tv, top-K rollout, torch pass)", ("call", "syncs", "launches"),
+        ((r.call, str(r.syncs), str(r.launches)) for r in syncs),
+    )
 
 
 __all__ = ["LaunchRow", "SyncRow", "launch_rows", "render_counts", "sync_rows"]

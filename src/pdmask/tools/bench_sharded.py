@@ -20,6 +20,7 @@ import torch.distributed as dist
 from pdmask.methods import trust_region_mask
 from pdmask.sharded import count_traffic
 from pdmask.stats import policy_stats
+from pdmask.tools.bench_common import make_inputs, print_table
 from pdmask.tools.gloo import run_gloo
 
 
@@ -50,8 +51,6 @@ class ShardedRow:
 
 
 def _rank(rank: int, world: int, cfg: ShardedConfig, repeats: int) -> tuple[float, float, int]:
-    from pdmask.tools.bench import make_inputs
-
     logits, tokens, rollout, adv = make_inputs(cfg.vocab, cfg.positions, torch.float32)
     width = -(-cfg.vocab // world)  # Megatron pads the vocabulary to tp·width; the last shard holds the padding
     shard = torch.nn.functional.pad(logits, (0, world * width - cfg.vocab))[:, rank * width : (rank + 1) * width].contiguous()
@@ -92,25 +91,17 @@ def measure_sharded(cfg: ShardedConfig, repeats: int, threads: int = 1) -> Shard
 
 
 def render_sharded(rows: list[ShardedRow]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="pdmask bench: policy_stats + pdm_proportional_tv on a vocabulary split over tp gloo processes, float32, K = 20")
-    for col in ("V", "N", "tp", "sharded ms", "unsharded ms", "sharded/unsharded", "bytes/position", "gather logits bytes/position",
-                "bytes/gather"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(
-            f"{r.vocab:,}", f"{r.positions:,}", str(r.tp), f"{r.sharded_ms:.1f}", f"{r.unsharded_ms:.1f}",
-            f"{r.time_ratio:.2f}x", f"{r.bytes_per_position:.0f}", f"{r.gather_bytes_per_position:,.0f}",
-            f"{100 * r.bytes_per_position / r.gather_bytes_per_position:.2f}%",
-        )
-    Console(width=max(Console().width, 160)).print(table)
-    Console().print(
-        "The tp processes (one thread each) share this machine's cores and the unsharded pass runs alone on rank 0: "
-        "the time ratio includes the processes' contention and gloo's latency, so read it from a quiet run. "
-        "bytes/position: all-reduced by each rank in one call; gather: moving the float32 logits instead."
-    )
+    print_table(
+        "pdmask bench: policy_stats + pdm_proportional_tv on a vocabulary split over tp gloo processes, float32, K = 20",
+        ("V", "N", "tp", "sharded ms", "unsharded ms", "sharded/unsharded", "bytes/position", "gather logits bytes/position",
+         "bytes/gather"),
+        ((f"{r.vocab:,}", f"{r.positions:,}", str(r.tp), f"{r.sharded_ms:.1f}", f"{r.unsharded_ms:.1f}", f"{r.time_ratio:.2f}x",
+          f"{r.bytes_per_position:.0f}", f"{r.gather_bytes_per_position:,.0f}",
+          f"{100 * r.bytes_per_position / r.gather_bytes_per_position:.2f}%") for r in rows),
+        "No target: the tp processes (one thread each) share this machine's cores and the unsharded pass runs alone on "
+        "rank 0, so the time ratio includes the processes' contention and gloo's latency; read it from a quiet run. "
+        "bytes/position: all-reduced by each rank in one call; gather: moving the float32 logits instead.",
+    )  # fmt: skip
 
 
 __all__ = ["FULL_SHARDED_GRID", "QUICK_SHARDED_GRID", "ShardedConfig", "ShardedRow", "measure_sharded", "render_sharded"]
