@@ -65,8 +65,8 @@ class Accumulators:
         self.rest[sl] = rest / total
         if self.tail_sq is not None and tail_sq is not None:
             self.tail_sq[sl] = tail_sq / total.square()
-        if self.head is not None and head_tail is not None:
-            self.head.tail[sl] = head_tail / total[:, None]
+        if self.head is not None and head_tail is not None:  # in place when head_tail is this very storage
+            torch.div(head_tail, total[:, None], out=self.head.tail[sl])
 
     def tail_product(self, bufs: Buffers, r: int, c: int, vocab: slice) -> Tensor | None:
         """Σ_{j∉S} e_j w_j [r, d] of the block whose tail e [r, c] ``shifted_sums`` left in ``bufs``
@@ -121,14 +121,14 @@ class Partial:
     rest: Tensor
     tail_sq: Tensor | None
     set_z: Tensor  # [n, C], 0 at the ids other ranks hold
-    head_tail: Tensor | None  # [n, d]
+    head_tail: Tensor | None  # [n, d]: the accumulators' own storage, finished in place (no second [n, d])
 
     @staticmethod
     def empty(acc: Accumulators) -> Partial:
         like = acc.lse
         return Partial(torch.full_like(like, -torch.inf), torch.zeros_like(like), torch.zeros_like(like),
                        None if acc.tail_sq is None else torch.zeros_like(like), torch.zeros_like(acc.set_logp),
-                       None if acc.head is None else torch.zeros_like(acc.head.tail))  # fmt: skip
+                       None if acc.head is None else acc.head.tail)  # fmt: skip
 
     def store(self, sl: slice, m: Tensor, total: Tensor, rest: Tensor, tail_sq: Tensor | None, set_z: Tensor,
               head_tail: Tensor | None) -> None:  # fmt: skip
@@ -145,17 +145,15 @@ class Partial:
         On one rank the same arithmetic with no collective."""
         m = shard.all_reduce(self.m.clone(), dist.ReduceOp.MAX)
         scale = torch.where(torch.isneginf(self.m), 0.0, (self.m - m).exp())
-        parts = [self.total * scale, self.rest * scale]
-        if self.tail_sq is not None:
-            parts.append(self.tail_sq * scale.square())
-        packed = torch.cat([torch.stack(parts, 1), self.set_z]
-                           + ([] if self.head_tail is None else [self.head_tail * scale[:, None]]), 1)  # fmt: skip
-        shard.all_reduce(packed)
-        k, c = len(parts), self.set_z.shape[1]
-        sums = packed[:, :k].unbind(1)
-        tail_sq = sums[2] if self.tail_sq is not None else None
-        head_tail = None if self.head_tail is None else packed[:, k + c :]
-        acc.finish_rows(slice(None), m, sums[0], sums[1], tail_sq, packed[:, k : k + c], head_tail)
+        parts = [self.total * scale, self.rest * scale] + ([] if self.tail_sq is None else [self.tail_sq * scale.square()])
+        set_z, head_tail = self.set_z, None if self.head_tail is None else self.head_tail.mul_(scale[:, None])
+        if shard.group is not None:  # one all-reduce of everything; on one rank the sums are already whole
+            packed = shard.all_reduce(torch.cat([torch.stack(parts, 1), set_z] + ([] if head_tail is None else [head_tail]), 1))
+            k, c = len(parts), set_z.shape[1]
+            parts, set_z = list(packed[:, :k].unbind(1)), packed[:, k : k + c]
+            head_tail = None if head_tail is None else packed[:, k + c :]
+        tail_sq = parts[2] if self.tail_sq is not None else None
+        acc.finish_rows(slice(None), m, parts[0], parts[1], tail_sq, set_z, head_tail)
 
 
 def reduce_normalised(shard: VocabShard, acc: Accumulators) -> None:
