@@ -169,3 +169,17 @@ def test_a_run_continues_from_its_packed_rounds(smoke, tmp_path) -> None:
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(None):
         mp.setenv("PDMASK_CACHE", str(root / "cache"))
         assert main(["analyze", "--preset", "smoke", "--out", str(out), "--rounds", "1"]) == 2
+
+
+def test_fork_profile_writes_only_the_profile(smoke) -> None:
+    root, _ = smoke
+    out = root / "forks"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDMASK_CACHE", str(root / "cache"))  # the smoke run's warm start
+        assert main(["analyze", "--preset", "smoke", "--fork-profile", "--out", str(out)]) == 0
+    record = json.loads((out / "forks.json").read_text(), parse_constant=_no_constant)
+    assert record["model"] == "tiny" and record["prompts"] == 8 and record["samples"] == 4
+    profile = record["profile"]
+    assert profile["positions"] > 0 and 0 <= profile["runner_up_ge_0.1"] <= 1 and 0 <= profile["not_mode"] <= 1
+    assert profile["entropy"] == pytest.approx(profile["entropy_topk"] + profile["entropy_rest"])
+    assert sorted(p.name for p in out.iterdir()) == ["forks.json"]  # no rounds, no report: only the profile

@@ -55,7 +55,12 @@ def test_sweep_report_and_reuse(tmp_path):
         assert (tmp_path / rel).stat().st_size > 1000
     md = (tmp_path / "report.md").read_text()
     assert "| method |" in md and "Summary" in md and "Did the trust region matter?" in md and "CPU seconds" in md
-    assert "top-K masks differ" in md
+    assert "top-K masks differ" in md and "aggregated ≠ DPPO-TopK masks" in md and "tiny-bf16: the SFT start" not in md
+    profile = {"positions": 10, "runner_up_ge_0.1": 0.5, "not_mode": 0.25, "top1_median": 0.6, "entropy": 1.0,
+               "entropy_topk": 0.8, "entropy_rest": 0.2}  # fmt: skip
+    write_report(sweep, tmp_path, "test", info | {"workers": 1}, forks={"tiny-bf16": profile})
+    md = (tmp_path / "report.md").read_text()
+    assert "## Fork profile" in md and "| tiny-bf16: the SFT start | 10 | 50.0% | 25.0% | 0.600 | 1.000 | 0.800 | 0.200 |" in md
     assert setting["questions"]["trust_region"]["best_masked"] == "pdm_proportional_tv"
     assert json.loads((tmp_path / "report.json").read_text())["run"]["runs_analysed"] == 4
     # Every JSON file the lab writes is strict JSON (no NaN/Infinity literals), even with undefined numbers.

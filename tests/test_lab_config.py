@@ -29,6 +29,8 @@ from pdmask.lab.presets import PRESETS
         ({"steps": 0}, "steps: must be >= 1"),
         ({"agg": "sum"}, "agg: must be one of"),
         ({"sft_seed": -1}, "sft_seed: must be >= 0"),
+        ({"task": "class_sort", "class_size": 0}, "class_size: must be between 1 and num_symbols"),
+        ({"task": "class_sort", "class_size": 33}, "class_size: must be between 1 and num_symbols"),
     ],
 )
 def test_bad_config(changes, message):
@@ -71,9 +73,12 @@ def test_presets_are_valid_and_fair():
     default = PRESETS["default"]  # the paper's comparison, enough seeds for a verdict
     assert {"pg_is", "ppo_clip", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl"} <= set(default.methods)
     assert len(default.seeds) >= 12 and default.rollout_dtypes == ("fp8",) and default.accuracy == "sampled"
+    assert default.base.task == "class_sort" and default.base.delta_kl is None and default.base.top_k == 20  # δ_KL 0.05
+    assert PRESETS["sort"].base.task == "sort" and set(PRESETS["sort"].seeds) == set(range(12))
     assert {"dppo_topk_tv", "pdm_aggregated_tv", "pdm_uniform_tv"} <= set(PRESETS["tv"].methods)
     long = PRESETS["long"]
-    assert len(long.seeds) >= 32 and not set(long.seeds) & set(default.seeds) and set(long.rollout_dtypes) == {"fp8", "bf16"}
+    assert len(long.seeds) >= 32 and not set(long.seeds) & (set(default.seeds) | set(PRESETS["sort"].seeds))
+    assert set(long.rollout_dtypes) == {"fp8", "bf16"}
     long_fp8 = {c.method for c in long.configs() if c.rollout_dtype == "fp8"}
     assert {"pg_is", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl"} <= long_fp8
     sizes = PRESETS["sizes"]

@@ -96,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="compute only the rounds whose index is I mod N: start N of these on the same --out in "
                         "parallel (one core each), then once without --shard for the report")
+    p.add_argument("--fork-profile", action="store_true",
+                   help="only profile the warm-started policy's forks on --prompts x --group-size of its own samples "
+                        "(runner-up π >= 0.1, sampled token not the mode, entropy in and off the top K); writes forks.json")
     p.add_argument("--out", default="runs/analyze",
                    help="output folder (default runs/analyze); a rerun with the same settings continues its rounds")
 
@@ -216,6 +219,32 @@ def paired_table(summary: dict, kind: str):
     return table
 
 
+def _fork_profile(cfg: AnalysisConfig, policy: torch.nn.Module, task: Any, out: Path, console: Console) -> int:
+    """`--fork-profile`: the policy's fork profile on its own samples, to forks.json and the terminal."""
+    from rich.table import Table
+
+    from pdmask import jsonio
+    from pdmask.lab.forks import COLUMNS, policy_fork_profile, profile_cells
+
+    with console.status(f"sampling {cfg.prompts} x {cfg.group_size} responses"):
+        g = torch.Generator().manual_seed(cfg.seed)
+        prompts = [p.prompt_ids for p in task.sample(cfg.prompts, g)]
+        profile = policy_fork_profile(policy, task, prompts, samples=cfg.group_size, temperature=cfg.temperature,
+                                      k=max(cfg.ks), generator=g)
+    record = {"command": shlex.join(["pdmask", "analyze", *sys.argv[2:]]), "model": cfg.model, "task": cfg.task,
+              "prompts": cfg.prompts, "samples": cfg.group_size, "temperature": cfg.temperature, "k": max(cfg.ks),
+              "profile": profile}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "forks.json").write_text(jsonio.dumps(record, indent=1))
+    table = Table(title=f"Fork profile of {cfg.model} on {cfg.task} (K = {max(cfg.ks)})", title_justify="left")
+    for _, header in COLUMNS:
+        table.add_column(header, justify="right")
+    table.add_row(*profile_cells(profile))
+    console.print(table)
+    console.print(f"written: {out / 'forks.json'}")
+    return 0
+
+
 def _parse_shard(text: str) -> tuple[int, int]:
     """"I/N" -> (I, N), checked before any model is loaded; raises ValueError naming the shard."""
     try:
@@ -271,6 +300,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         if isinstance(task, SequenceTask):  # TinyGPT tasks: the lab's cached SFT warm start
             warm_start(lab, policy, task)
         timing["load_and_warm_start_s"] = time.perf_counter() - t0
+
+    if args.fork_profile:
+        return _fork_profile(cfg, policy, task, Path(args.out), console)
 
     def engine_factory(p: torch.nn.Module) -> RolloutEngine:
         return RolloutEngine(p, dtype=cfg.engine_dtype(), top_k_logprobs=max(cfg.ks), return_full=True)

@@ -16,8 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
         default="default",
-        help="smoke (<1 min), default (about 8 min on 2 cores), tv (about 10 min, estimated), long (about 37 min), collapse, sizes "
-        "(about an hour), vllm or grid (every method x size x precision, more than a day); rerun the same command to resume",
+        help="smoke (CI check), default (the paper's comparison where the masks differ), sort (the earlier default), tv, long, "
+        "collapse, sizes, vllm or grid (every method x size x precision, more than a day); times: docs/lab.md#times; "
+        "rerun the same command to resume",
     )
     parser.add_argument("--out", default="runs/compare", help="output folder (report.md, report.json, plots/, runs/)")
     parser.add_argument("--methods", help="comma-separated methods (overrides the preset)")
@@ -74,6 +75,17 @@ def build_sweep(args: argparse.Namespace):
     return replace(sweep, **changes).validate()
 
 
+def starting_profiles(sweep) -> dict[str, dict[str, float] | None]:
+    """The fork profile of each setting's starting policy (its first run's warm start, cached by the sweep)."""
+    from pdmask.lab.forks import warm_start_profile
+    from pdmask.lab.sweep import setting_name
+
+    firsts = {}
+    for cfg in sweep.configs():
+        firsts.setdefault(setting_name(cfg), cfg)
+    return {name: warm_start_profile(cfg) for name, cfg in firsts.items()}
+
+
 def run(args: argparse.Namespace) -> int:
     from pdmask.lab.config import ConfigError
     from pdmask.lab.report import write_report
@@ -97,10 +109,22 @@ def run(args: argparse.Namespace) -> int:
             return 0
     out.mkdir(parents=True, exist_ok=True)
     info = run_sweep(sweep, out, args.workers, fresh=args.fresh)
-    report = write_report(sweep, out, args.preset, info | {"workers": args.workers})
+    report = write_report(sweep, out, args.preset, info | {"workers": args.workers}, starting_profiles(sweep))
     print()
     for s in report["settings"].values():
         print(s["verdict"].replace("**", ""))
+    forks, reference = report["fork_profile"]["settings"], report["fork_profile"]["reference"]
+    for name, profile in forks.items():
+        if profile is not None:
+            print(
+                f"Fork profile of {name}'s SFT start: runner-up π ≥ 0.1 at {profile['runner_up_ge_0.1']:.1%} of positions, "
+                f"sampled token not the mode at {profile['not_mode']:.1%}"
+                + (
+                    f" (SmolLM2-135M: {reference['profile']['runner_up_ge_0.1']:.1%} and {reference['profile']['not_mode']:.1%})."
+                    if reference
+                    else "."
+                )
+            )
     print(f"\nwall time {info['wall_time_s']:.0f} s; report: {out / 'report.md'}")
     if info["failed"]:
         print(f"{len(info['failed'])} run(s) failed:", *info["failed"], sep="\n  ", file=sys.stderr)

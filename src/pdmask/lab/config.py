@@ -17,7 +17,7 @@ from typing import Any
 from pdmask import AGG_MODES, METHODS, method_thresholds
 from pdmask.lab.engine import DTYPES, dtype_supported
 from pdmask.lab.models import POLICY_NAMES, SIZES, is_pretrained
-from pdmask.lab.tasks import TASK_NAMES, SequenceTask
+from pdmask.lab.tasks import TASK_NAMES
 
 
 class ConfigError(ValueError):
@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 class Config:
     """One lab run. ``Config()`` is a quick check on the tiny policy (lr 1e-4, exact reward: the earlier setting
     in which every mask only slows a collapse, docs/lab.md); the calibrated setting in which RL learns is
-    ``pdmask.lab.presets.LEARNS``, the base of the ``default``, ``tv`` and ``long`` presets."""
+    ``pdmask.lab.presets.LEARNS``, the base of the ``sort`` and ``long`` presets; ``FORKS`` (LEARNS on ``class_sort``)
+    is the base of ``default`` and ``tv``."""
 
     # What a sweep varies.
     method: str = "pdm_aggregated_kl"  # any key of pdmask.METHODS; default: the paper's configuration
@@ -36,9 +37,10 @@ class Config:
     model: str = "tiny"  # tiny | small | medium | smollm2-135m | hf:PATH
     rollout_dtype: str = "bf16"  # the rollout engine's precision: fp32 | bf16 | fp16 | fp8 (trainer: fp32)
     # Task.
-    task: str = "sort"  # copy | reverse | sort (TinyGPT) | arithmetic (pretrained chat models)
+    task: str = "sort"  # copy | reverse | sort | class_sort (TinyGPT) | arithmetic (pretrained chat models)
     task_length: int = 6
     num_symbols: int = 32
+    class_size: int = 4  # class_sort: symbols per class (the symbols of a class may come in any order)
     reward: str = "exact"  # exact (0/1) | partial (share of positions right); sequence tasks
     max_operand: int = 50  # arithmetic: a + b with a, b in [0, max_operand]
     heldout_size: int = 256
@@ -100,6 +102,11 @@ class Config:
     def task_kwargs(self) -> dict[str, Any]:
         if self.task == "arithmetic":
             return {"max_operand": self.max_operand, "heldout_size": self.heldout_size}
+        if self.task == "class_sort":
+            return {"class_size": self.class_size} | self._sequence_kwargs()
+        return self._sequence_kwargs()
+
+    def _sequence_kwargs(self) -> dict[str, Any]:
         return {
             "length": self.task_length,
             "num_symbols": self.num_symbols,
@@ -128,6 +135,7 @@ class Config:
             "sft_batch",
             "heldout_size",
         )
+        keys += ("class_size",) if self.task == "class_sort" else ()  # the other tasks' warm starts keep their keys
         blob = json.dumps({"seed": self.warm_start_seed} | {k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -159,7 +167,9 @@ class Config:
                 f"task: {self.task!r} does not fit model {self.model!r} "
                 "(token tasks need tiny/small/medium; 'arithmetic' needs a pretrained model)"
             )
-        if self.task in SequenceTask.KINDS:
+        if self.task != "arithmetic":
+            if self.task == "class_sort" and not 1 <= self.class_size <= self.num_symbols:
+                bad(f"class_size: must be between 1 and num_symbols ({self.num_symbols}), got {self.class_size}")
             if self.vocab_size < 4 + self.num_symbols:
                 bad(f"vocab_size: {self.vocab_size} is too small for {self.num_symbols} symbols plus 4 special tokens")
             if self.top_k > self.vocab_size:

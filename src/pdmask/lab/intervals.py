@@ -19,6 +19,17 @@ _T975 = (
     2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
 )  # fmt: skip
 
+# One-sided 80% quantiles of Student's t for df = 1..30 (the power term of a minimal detectable difference); 0.842 beyond.
+_T80 = (
+    1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879,
+    0.876, 0.873, 0.870, 0.868, 0.866, 0.865, 0.863, 0.862, 0.861, 0.860,
+    0.859, 0.858, 0.858, 0.857, 0.856, 0.856, 0.855, 0.855, 0.854, 0.854,
+)  # fmt: skip
+
+
+def _t(table: tuple[float, ...], beyond: float, df: int) -> float:
+    return table[df - 1] if df <= len(table) else beyond
+
 
 @dataclass(frozen=True)
 class Interval:
@@ -45,9 +56,30 @@ def mean_ci(values: Sequence[float]) -> Interval:
     mean = sum(values) / n
     if n < 2:
         return Interval(mean, mean, mean, n)
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
+    half = _t(_T975, 1.96, n - 1) * sd(values) / math.sqrt(n)
     return Interval(mean, mean - half, mean + half, n)
+
+
+def sd(values: Sequence[float]) -> float:
+    """Sample standard deviation (n − 1), 0 for fewer than two values."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+
+
+def detectable(spread: float, n: int) -> float:
+    """The smallest true mean difference that a paired 95% interval over ``n`` seeds excludes 0 for with 80%
+    probability, when the per-seed differences have standard deviation ``spread``: (t₀.₉₇₅ + t₀.₈₀)·spread/√n."""
+    if n < 2:
+        return math.inf
+    return (_t(_T975, 1.96, n - 1) + _t(_T80, 0.842, n - 1)) * spread / math.sqrt(n)
+
+
+def seeds_needed(spread: float, effect: float, most: int = 1000) -> int | None:
+    """The fewest seeds whose ``detectable`` difference is at most ``effect`` (None beyond ``most``)."""
+    return next((n for n in range(2, most + 1) if detectable(spread, n) <= effect), None)
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> Interval:

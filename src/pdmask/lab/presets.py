@@ -59,6 +59,8 @@ class Sweep:
 
 #: The CI check's methods: one of each rule, the paper's two top-K predictive masks among them.
 CORE_METHODS = ("ppo_clip", "pg_is", "dppo_binary_kl", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl")
+#: Seeds of the default: chosen from the pilot's paired spread (docs/lab.md, "How many seeds").
+DEFAULT_SEEDS = 16
 #: The paper's comparison, in its configuration (the forward KL family): no trust region (the control), GRPO's
 #: clip (ε 0.2 / 0.28, clip-higher), DPPO-TopK-KL, the paper's two top-K PDM-KL masks, and pdmask's refinement
 #: with the exact ‖π‖² (``proportional``, the KL refinement ``pdmask analyze`` has measured on TinyGPT).
@@ -78,6 +80,15 @@ LEARNS = Config(
     model="small", rollout_dtype="fp8", reward="partial", sft_steps=400, sft_lr=3e-4, sft_seed=0, prompts_per_step=16,
     minibatches=4, lr=3e-5, steps=20, eval_every=20, eval_samples=4, checkpoint_every=5,
 )  # fmt: skip
+#: The default's setting (docs/lab.md, "How the default's task was chosen"): LEARNS on a task with forks. In
+#: ``class_sort`` with 16 symbols per class a prompt has many right answers, and the SFT start (on a uniform mix of
+#: them) forks about as often as SmolLM2-135M does; rollouts one step stale (as in asynchronous RL) and 2 epochs x 8
+#: minibatches put about a fifth of the tokens beyond δ_KL = 0.05, where PDM-KL's and DPPO-TopK-KL's masks then decide
+#: differently on about 1.5% of the tokens (the pilot), against 0.03% in ``sort``. Five held-out evaluations a run.
+FORKS = LEARNS.replace(task="class_sort", class_size=16, rollout_lag=1, minibatches=8, eval_every=5)
+#: The paper's comparison as the default runs it: PAPER_METHODS without pdmask's proportional refinement, which
+#: decided like the aggregated tail on nearly every token in the pilots (``--methods`` adds it back).
+DEFAULT_METHODS = ("pg_is", "ppo_clip", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl")
 #: The first two rounds' setting (docs/lab.md): exact reward, 8 prompts x 8 samples, Adam lr 1e-4, 100 steps.
 COLLAPSE = Config(steps=100, prompts_per_step=8, minibatches=4, eval_every=10)
 #: The small policy in that setting: 20 RL steps, and an SFT lr of its own.
@@ -93,23 +104,32 @@ PRESETS: dict[str, Sweep] = {
         "CI check in Config()'s setting: one method of each rule for 3 steps, one seed (well under a minute).",
     ),
     "default": Sweep(
+        FORKS,
+        DEFAULT_METHODS,
+        tuple(range(DEFAULT_SEEDS)),
+        ("small",),
+        ("fp8",),
+        f"The paper's comparison (KL family) x {DEFAULT_SEEDS} seeds on the small policy with FP8 rollouts one step stale, "
+        "on class_sort, a task whose policy forks like a language model (docs/lab.md; its time: docs/lab.md#times).",
+        accuracy="sampled",
+    ),
+    "sort": Sweep(
         LEARNS,
         PAPER_METHODS,
         tuple(range(12)),
         ("small",),
         ("fp8",),
-        "The paper's comparison (KL family) x 12 seeds on the small policy with FP8 rollouts, in the calibrated "
-        "setting where RL learns (about 8 minutes on 2 idle cores from a fresh clone: 490 s measured, docs/lab.md).",
+        "The default until issue 35: the paper's comparison x 12 seeds on sort, one right answer per prompt, where the "
+        "masks of PDM-KL and DPPO-TopK-KL decide differently on about 0.03% of tokens (docs/lab.md, docs/history.md).",
         accuracy="sampled",
     ),
     "tv": Sweep(
-        LEARNS,
+        FORKS,
         TV_METHODS,
-        tuple(range(12)),
+        tuple(range(DEFAULT_SEEDS)),
         ("small",),
         ("fp8",),
-        "pdmask's TV extension of the default comparison, same setting and seeds (about 10 minutes on 2 idle cores, "
-        "estimated from the default's runs).",
+        "pdmask's TV extension of the default comparison, same setting and seeds.",
         accuracy="sampled",
     ),
     "long": Sweep(
@@ -121,9 +141,9 @@ PRESETS: dict[str, Sweep] = {
         tuple(range(100, 132)),
         ("small",),
         ("fp8", "bf16"),
-        "The tables of docs/results.md: 32 new seeds (100-131, disjoint from the default's); at FP8 the paper's KL "
-        "comparison, pdmask's backbone-aware KL mask and the aggregated-tail TV form, at bf16 the paper's aggregated-tail "
-        "KL mask against DPPO and no trust region (37 minutes measured on 2 idle cores, docs/results.md; resumable).",
+        "The tables of docs/results.md, in the sort preset's setting: 32 new seeds (100-131, disjoint from sort's); at FP8 "
+        "the paper's KL comparison, pdmask's backbone-aware KL mask and the aggregated-tail TV form, at bf16 the paper's "
+        "aggregated-tail KL mask against DPPO and no trust region (resumable; its time: docs/lab.md#times).",
         accuracy="sampled",
         dtype_methods={"bf16": ("pg_is", "dppo_topk_kl", "pdm_aggregated_kl")},
     ),

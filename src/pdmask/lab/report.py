@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from pdmask import jsonio
-from pdmask.lab.intervals import Interval
+from pdmask.lab.forks import COLUMNS, profile_cells, reference_profile
+from pdmask.lab.intervals import Interval, seeds_needed
 from pdmask.lab.plots import write_plots
 from pdmask.lab.presets import Sweep
 from pdmask.lab.summary import analyse
@@ -17,10 +18,10 @@ def summary_table(setting: dict[str, Any]) -> str:
     """Markdown table, methods in order of final held-out accuracy."""
     head = (
         "| method | final held-out acc [95% CI] | mean held-out acc | final train reward | dropped A>0 / A<0 | "
-        "mismatch TV mean / max / growth | D mean / max | dir. disagree | top-K masks differ | Δ acc vs leader [paired 95% CI] | "
-        "other acc |"
+        "mismatch TV mean / max / growth | D mean / max | dir. disagree | aggregated ≠ DPPO-TopK masks | top-K masks differ | "
+        "Δ acc vs leader [paired 95% CI] | other acc |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     comp = setting["comparison"]
     for m in comp["order"]:
         e = setting["methods"][m]
@@ -35,10 +36,64 @@ def summary_table(setting: dict[str, Any]) -> str:
             f"{e['dropped_frac_pos']['mean']:.3%} / {e['dropped_frac_neg']['mean']:.3%} | "
             f"{e['mismatch_tv_mean']['mean']:.4f} / {e['mismatch_tv_max']['mean']:.3f} / {e['mismatch_growth']['mean']:+.4f} | "
             f"{e['div_mean']['mean']:.4f} / {e['div_max']['mean']:.3f} | "
-            f"{e['direction_disagree_frac']['mean']:.1%} | {e['topk_masks_differ_frac']['mean']:.3%} | {delta} | "
+            f"{e['direction_disagree_frac']['mean']:.1%} | {_share(e.get('vs_dppo_aggregated'))} | "
+            f"{e['topk_masks_differ_frac']['mean']:.3%} | {delta} | "
             + (f"{e['other_final_accuracy']['mean']:.3f} |" if "other_final_accuracy" in e else "— |")
         )
     return "\n".join(lines)
+
+
+def _share(ci: dict[str, float] | None) -> str:
+    return "—" if ci is None or ci["mean"] != ci["mean"] else f"{ci['mean']:.2%}"
+
+
+def power_lines(setting: dict[str, Any]) -> list[str]:
+    """Markdown lines: for each PDM-vs-DPPO pair, what its seeds can detect, and the seeds smaller effects need."""
+    pdm = (setting["questions"] or {}).get("pdm_vs_dppo")
+    rows = [(m, p) for m, p in (pdm or {}).get("pairs", {}).items() if p["accuracy_diff"]["n"] > 1]
+    if not rows:
+        return []
+    lines = [
+        "Power of the PDM-vs-DPPO comparison (paired over seeds; a true difference of the size given is detected, its "
+        "95% interval excluding 0, with probability 80%: (t₀.₉₇₅ + t₀.₈₀) × SD / √n):",
+        "",
+        "| pair | seeds n | SD of the per-seed differences | detectable at n | seeds for ±0.02 | seeds for ±0.01 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m, p in rows:
+        need = [seeds_needed(p["paired_sd"], e) for e in (0.02, 0.01)]
+        lines.append(
+            f"| {m} − {p['dppo']} | {p['accuracy_diff']['n']} | {p['paired_sd']:.4f} | ±{p['detectable_80']:.3f} | "
+            + " | ".join("more than 1000" if n is None else str(n) for n in need) + " |"
+        )
+    return lines + [""]
+
+
+def fork_lines(profiles: dict[str, dict[str, float] | None]) -> list[str]:
+    """Markdown lines: each setting's starting policy's fork profile beside SmolLM2-135M's (``pdmask.lab.forks``)."""
+    rows = [(f"{name}: the SFT start", p) for name, p in profiles.items() if p is not None]
+    reference = reference_profile()
+    if reference is not None:
+        rows.append((f"SmolLM2-135M-Instruct on its analysis prompts ({reference['task']})", reference["profile"]))
+    if not rows:
+        return []
+    lines = [
+        "## Fork profile",
+        "",
+        "Does the policy fork like a language model? Over its own responses (128 held-out prompts × 4 samples at the "
+        "rollout temperature; SmolLM2: " + (f"`{reference['command']}`" if reference else "not measured in this clone")
+        + "), per response position:",
+        "",
+        "| policy | " + " | ".join(h for _, h in COLUMNS) + " |",
+        "|---|" + "---|" * len(COLUMNS),
+    ]
+    lines += [f"| {label} | " + " | ".join(profile_cells(p)) + " |" for label, p in rows]
+    return lines + [
+        "",
+        "A fork is a position whose runner-up has π ≥ 0.1; the two direction tests (DPPO's sign(π_a − μ_a), PDM's sign(G)) "
+        "can only disagree on a token that is not the mode, where the drift spreads over three or more candidates.",
+        "",
+    ]
 
 
 def replication_table(setting: dict[str, Any]) -> list[str]:
@@ -68,8 +123,11 @@ def _fmt(ci: dict[str, float]) -> str:
     return Interval(ci["mean"], ci["low"], ci["high"], ci["n"]).fmt()
 
 
-def write_report(sweep: Sweep, out: Path, preset: str, run_info: dict[str, Any]) -> dict[str, Any]:
-    """Analyse the runs in ``out`` and write report.md, report.json and plots; returns the report dict."""
+def write_report(
+    sweep: Sweep, out: Path, preset: str, run_info: dict[str, Any], forks: dict[str, dict[str, float] | None] | None = None
+) -> dict[str, Any]:
+    """Analyse the runs in ``out`` and write report.md, report.json and plots; returns the report dict. ``forks``: the
+    fork profile of each setting's starting policy (``pdmask.lab.forks.warm_start_profile``)."""
     settings = analyse(sweep, out)
     plots = write_plots(settings, out)
     base = sweep.base.to_dict()
@@ -90,6 +148,7 @@ def write_report(sweep: Sweep, out: Path, preset: str, run_info: dict[str, Any])
         },
         "shared_config": base,
         "run": run_info | {"runs_analysed": done, "runs_expected": expected, "cpu_count": os.cpu_count()},
+        "fork_profile": {"settings": forks or {}, "reference": reference_profile()},
         "settings": {
             name: {k: v for k, v in s.items()} | {"plots": plots.get(name, [])} for name, s in settings.items()
         },
@@ -131,6 +190,9 @@ READING_GUIDE = """## How to read this
   policy and μ during the updates.
   *dir. disagree*: among tokens beyond the TV threshold, the share where DPPO's direction sign(π_a − μ_a) and the
   predictive sign(G) differ. *growth*: mismatch TV over the last tenth of the steps minus over the first tenth.
+- *aggregated ≠ DPPO-TopK masks*: share of response tokens on which the paper's pair, pdm_aggregated and dppo_topk with
+  the run's divergence and thresholds, decided differently on that run's updates (same logits and μ). Two methods'
+  runs can only differ through these tokens: where the share is near 0, the PDM-vs-DPPO question has no material.
 - *top-K masks differ*: share of response tokens on which the masks of the four top-K predictive estimators (the
   paper's pdm_aggregated and pdm_uniform, pdmask's pdm_proportional and pdm_exactpi) with the run's divergence and
   thresholds disagree, on the same logits and μ. They can only differ where π or μ keeps mass outside TopK(μ) ∪ {a}.
@@ -191,9 +253,11 @@ def _markdown(report: dict[str, Any], settings: dict[str, Any], plots: dict[str,
     lines += ["", "## Summary", ""]
     for name in settings:
         lines += [settings[name]["verdict"], ""]
+    lines += fork_lines(report["fork_profile"]["settings"])
     for name, setting in settings.items():
         lines += [f"## {name}", "", summary_table(setting), ""]
         lines += replication_table(setting)
+        lines += power_lines(setting)
         lines += [f"![{Path(p).stem}]({p})" for p in plots[name]]
         lines.append("")
     lines.append(READING_GUIDE)

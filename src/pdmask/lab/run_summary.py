@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdmask.lab.intervals import mean_ci
+from pdmask.lab.train import TAIL_ESTIMATORS
 
 CURVES = (
     "eval/accuracy",
@@ -16,6 +17,8 @@ CURVES = (
     "mismatch/tv_mean",
     "div/mean",
     "topk/masks_differ_frac",
+    "topk/vs_dppo_aggregated_frac",
+    "policy/entropy",
 )
 
 
@@ -62,6 +65,8 @@ def run_summary(rows: list[dict[str, Any]], accuracy: str = "greedy") -> dict[st
         "mismatch_growth": _mean_of(last, "mismatch/tv_mean") - _mean_of(first, "mismatch/tv_mean"),
         "direction_disagree_frac": _mean_of(train_rows, "mask/direction_disagree_frac"),
         "topk_masks_differ_frac": _mean_of(train_rows, "topk/masks_differ_frac"),
+        **{f"vs_dppo_{e}": _mean_of(train_rows, f"topk/vs_dppo_{e}_frac") for e in TAIL_ESTIMATORS},
+        "entropy_mean": _mean_of(train_rows, "policy/entropy"),
         "pi_rest_mean": _mean_of(train_rows, "topk/pi_rest_mean"),
         "entropy_final": _mean_of(last, "policy/entropy"),
         "grad_norm": _mean_of(train_rows, "grad/norm"),

@@ -42,7 +42,7 @@ def train_sft(cfg: Config, policy: nn.Module, task: SequenceTask) -> None:
     policy.train()
     for _ in range(cfg.sft_steps):
         problems = task.sample(cfg.sft_batch, g)
-        seqs = torch.tensor([[*p.prompt_ids, *task.answer_ids(p)] for p in problems])  # [B, P + L + 1]
+        seqs = torch.tensor([[*p.prompt_ids, *task.answer_ids(p, g)] for p in problems])  # [B, P + L + 1]
         P = task.prompt_len
         # Only the answer tokens are supervised: positions P-1 .. end predict them.
         logits = policy(seqs[:, :-1], first=P - 1)

@@ -128,19 +128,29 @@ def run_sweep(sweep: Sweep, out: Path, workers: int, fresh: bool = False, progre
         Progress(*columns, disable=not progress, transient=False) as bar,
         ProcessPoolExecutor(max(1, workers), mp_context=ctx) as pool,
     ):
+        # Without a terminal (a log file, CI) the bar draws nothing until the end: one plain line per finished job.
+        lines = progress and not bar.console.is_terminal
+        say = lambda text: print(f"[{time.perf_counter() - t0:5.0f} s] {text}", flush=True) if lines else None
         if sft_todo:
             t_sft = bar.add_task("SFT warm starts", total=len(sft_todo))
-            for fut in [pool.submit(_sft_job, c) for c in sft_todo.values()]:
+            for i, fut in enumerate([pool.submit(_sft_job, c) for c in sft_todo.values()], 1):
                 fut.result()
                 bar.advance(t_sft)
-        t_runs = bar.add_task(f"RL steps ({len(todo)} runs)", total=sum(c.steps for c in todo))
+                say(f"SFT warm start {i}/{len(sft_todo)} ready")
+        total_steps = sum(c.steps for c in todo)
+        t_runs = bar.add_task(f"RL steps ({len(todo)} runs)", total=total_steps)
         futures: dict[Future, Config] = {pool.submit(_run_job, c, str(run_dir(out, c))): c for c in todo}
         while futures:
+            steps = sum(min(_count_rows(run_dir(out, c)), c.steps) for c in todo)
             for fut in [f for f in futures if f.done()]:
                 cfg = futures.pop(fut)
                 if fut.exception() is not None:
                     failed.append(f"{run_dir(out, cfg)}: {fut.exception()!r}")
-            bar.update(t_runs, completed=sum(min(_count_rows(run_dir(out, c)), c.steps) for c in todo))
+                say(
+                    f"run {len(todo) - len(futures)}/{len(todo)} {'failed' if fut.exception() else 'done'}: "
+                    f"{setting_name(cfg)} {cfg.method} seed {cfg.seed} ({steps}/{total_steps} RL steps)"
+                )
+            bar.update(t_runs, completed=steps)
             time.sleep(0.25)
     return {
         "wall_time_s": time.perf_counter() - t0,

@@ -3,12 +3,18 @@
 - ``copy`` / ``reverse`` / ``sort`` (for TinyGPT): the prompt is ``BOS x_1 .. x_L SEP`` with symbols
   drawn from ``num_symbols`` values; the answer is the transformed sequence followed by ``EOS``. Reward
   ``partial`` = fraction of positions right (extra tokens count as wrong), or ``exact`` = 0/1.
+- ``class_sort`` (for TinyGPT): the same prompts; symbol s belongs to class s // ``class_size``, and any
+  answer that lists the prompt's symbols with their classes in ascending order is right, in whatever order
+  the symbols of one class come. A prompt has many right answers, so a policy trained on a mix of them
+  forks where a language model does: several good continuations at one position. ``class_size`` 1 is
+  ``sort``; ``class_size`` = ``num_symbols`` accepts every permutation.
 - ``arithmetic`` (for pretrained chat models): "What is a + b?" in natural text through the model's
   chat template; the answer is the last integer in the completion; reward 0/1.
 
 Every task exposes ``sample(n, generator)`` (training problems, never from the held-out set),
 ``heldout`` (a fixed list), ``score(problem, response_ids) -> (reward, correct)``, ``eos_id``,
-``pad_id``, ``max_new_tokens``; the token tasks also ``answer_ids(problem)`` for the SFT warm start.
+``pad_id``, ``max_new_tokens``; the token tasks also ``answer_ids(problem, generator)`` for the SFT warm start
+(one right answer, drawn uniformly among them where there are several).
 """
 
 from __future__ import annotations
@@ -94,8 +100,8 @@ class SequenceTask(Task):
         ys = {"copy": xs, "reverse": xs[::-1], "sort": sorted(xs)}[self.kind]
         return Problem((BOS, *xs, SEP), tuple(ys))
 
-    def answer_ids(self, problem: Problem) -> list[int]:
-        """The ideal response (for the SFT warm start): target then EOS."""
+    def answer_ids(self, problem: Problem, generator: torch.Generator | None = None) -> list[int]:
+        """The ideal response (for the SFT warm start): target then EOS (one right answer, so no draw)."""
         return [*problem.target, EOS]
 
     def score(self, problem: Problem, response: list[int]) -> tuple[float, bool]:
@@ -110,6 +116,47 @@ class SequenceTask(Task):
     def decode(self, ids: list[int]) -> str:
         names = {PAD: "<pad>", BOS: "<bos>", SEP: "|", EOS: "<eos>"}
         return " ".join(names.get(i, str(i - FIRST_SYMBOL)) for i in ids)
+
+
+class ClassSortTask(SequenceTask):
+    """Sort a sequence by class (symbol // ``class_size``), the symbols of one class in any order.
+
+    ``target`` is the ascending sort, one of the right answers. Reward ``partial``: the share of positions whose
+    symbol is in the class the target has there and is still unused among the prompt's symbols (so exactly the
+    right answers score 1, and repeating or inventing a symbol scores like a wrong one); ``exact``: 0/1.
+    """
+
+    def __init__(
+        self, length: int = 6, num_symbols: int = 32, class_size: int = 4, reward: str = "partial", heldout_size: int = 256
+    ) -> None:
+        if not 1 <= class_size <= num_symbols:
+            raise ValueError(f"class_size: must be between 1 and num_symbols ({num_symbols}), got {class_size}")
+        self.class_size = class_size
+        super().__init__("sort", length, num_symbols, reward, heldout_size)
+        self.name = "class_sort"
+
+    def symbol_class(self, token: int) -> int:
+        return (token - FIRST_SYMBOL) // self.class_size
+
+    def answer_ids(self, problem: Problem, generator: torch.Generator | None = None) -> list[int]:
+        """A right answer drawn uniformly: the target with each class's symbols shuffled, then EOS."""
+        if generator is None:
+            raise ValueError("generator: class_sort draws one of several right answers; pass a torch.Generator")
+        order = torch.rand(self.length, generator=generator).tolist()
+        return [t for _, _, t in sorted(zip(map(self.symbol_class, problem.target), order, problem.target))] + [EOS]
+
+    def score(self, problem: Problem, response: list[int]) -> tuple[float, bool]:
+        ans = _until_eos(response, EOS)
+        unused = list(problem.target)
+        hits = 0
+        for a, t in zip(ans, problem.target):
+            if a in unused and self.symbol_class(a) == self.symbol_class(t):
+                unused.remove(a)
+                hits += 1
+        correct = hits == len(problem.target) == len(ans) and EOS in response
+        if self.reward == "exact":
+            return float(correct), correct
+        return hits / max(len(problem.target), len(ans)), correct
 
 
 class ArithmeticTask(Task):
@@ -149,13 +196,16 @@ class ArithmeticTask(Task):
         return self.tokenizer.decode(ids)
 
 
-TASK_NAMES = (*SequenceTask.KINDS, "arithmetic")
+TASK_NAMES = (*SequenceTask.KINDS, "class_sort", "arithmetic")
 
 
 def build_task(name: str, tokenizer: Any = None, **kwargs: Any) -> Task:
-    """Build a task by name; kwargs go to SequenceTask (length, num_symbols, reward) or ArithmeticTask."""
+    """Build a task by name; kwargs go to SequenceTask (length, num_symbols, reward), ClassSortTask (and
+    class_size) or ArithmeticTask."""
     if name in SequenceTask.KINDS:
         return SequenceTask(name, **kwargs)
+    if name == "class_sort":
+        return ClassSortTask(**kwargs)
     if name == "arithmetic":
         return ArithmeticTask(tokenizer, **kwargs)
     raise ValueError(f"task: unknown task {name!r}; choose one of {', '.join(TASK_NAMES)}")

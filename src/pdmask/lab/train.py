@@ -45,6 +45,7 @@ TAIL_ESTIMATORS = (*PAPER_TOPK_ESTIMATORS, "proportional", "exactpi")
 TAIL_DENOMINATORS = {
     "topk/masks_differ_frac": "count/tokens",
     "topk/paper_tails_differ_frac": "count/tokens",
+    **{f"topk/vs_dppo_{e}_frac": "count/tokens" for e in TAIL_ESTIMATORS},
     "topk/pi_rest_mean": "count/tokens",
     "topk/mu_rest_mean": "count/tokens",
 }
@@ -158,7 +159,9 @@ def tail_metrics(cfg: Config, stats: pdmask.PolicyStats, advantages: Tensor, res
     the run's thresholds, on the update's own statistics (they must carry μ's top K and ‖π‖²); they can
     only differ where π or μ keeps mass off S. ``topk/masks_differ_frac``: share of response tokens on
     which they do not all agree; ``topk/paper_tails_differ_frac``: on which the paper's aggregated-tail
-    and uniform-tail masks differ; ``topk/pi_rest_mean`` / ``topk/mu_rest_mean``: mean π_R and μ_R.
+    and uniform-tail masks differ; ``topk/vs_dppo_{estimator}_frac``: on which pdm_{estimator}_{kind} and
+    dppo_topk_{kind} decide differently (the tokens where a PDM-vs-DPPO comparison can differ at all; the
+    paper's is ``aggregated``); ``topk/pi_rest_mean`` / ``topk/mu_rest_mean``: mean π_R and μ_R.
     """
     kind = topk_kind(cfg)
     names = {e: f"pdm_{e}_{kind}" for e in TAIL_ESTIMATORS}
@@ -170,9 +173,12 @@ def tail_metrics(cfg: Config, stats: pdmask.PolicyStats, advantages: Tensor, res
     n = max(int(valid.sum()), 1)
     share = lambda x: (x & valid).sum().item() / n
     first = next(iter(keep.values()))
+    dppo = f"dppo_topk_{kind}"
+    dppo_keep = pdmask.trust_region_mask(dppo, stats, advantages, response_mask, **cfg.replace(method=dppo).thresholds())
     out = {
         "topk/masks_differ_frac": share(torch.stack([k != first for k in keep.values()]).any(0)),
         "topk/paper_tails_differ_frac": share(keep["aggregated"] != keep["uniform"]),
+        **{f"topk/vs_dppo_{e}_frac": share(k != dppo_keep) for e, k in keep.items()},
         "topk/pi_rest_mean": stats.rest_mass[valid].sum().item() / n,
         "topk/mu_rest_mean": stats.rollout_rest_mass[valid].sum().item() / n,
     }

@@ -71,8 +71,21 @@ def pdm_words(q: PdmVsDppo) -> str:
             parts.append(f"{pdm} and {p.dppo} gave identical runs on every seed (their masks never differed)")
         else:
             clear = "beyond" if p.accuracy_diff.excludes_zero else "within"
-            parts.append(f"{pdm} − {p.dppo} = {p.accuracy_diff.fmt(signed=True)} in final held-out accuracy, {clear} the seed spread")
+            power = f"; these seeds detect a true ±{p.detectable:.3f} with 80% power" if p.accuracy_diff.n > 1 else ""
+            parts.append(
+                f"{pdm} − {p.dppo} = {p.accuracy_diff.fmt(signed=True)} in final held-out accuracy, {clear} the seed spread{power}"
+            )
     return f"Did PDM differ from DPPO? {'Yes' if q.differed else 'Not measurably'} (paired 95% CIs over seeds): " + "; ".join(parts) + "."
+
+
+def masks_words(q: PdmVsDppo) -> str | None:
+    """How often each top-K PDM mask and DPPO-TopK's decided differently, on the updates of the two runs."""
+    shares = {pdm: p for pdm, p in q.pairs.items() if p.masks_differ is not None}
+    if not shares:
+        return None
+    return "How often did the masks differ? " + "; ".join(
+        f"{pdm} and {p.dppo} decided differently on {p.masks_differ:.2%} of response tokens" for pdm, p in shares.items()
+    ) + " (both runs' updates, each mask on the same logits and μ; only there can their runs differ)."
 
 
 def question_words(questions: Questions) -> list[str]:
@@ -84,6 +97,8 @@ def question_words(questions: Questions) -> list[str]:
         out.append(trust_region_words(questions.trust_region))
     if questions.pdm_vs_dppo is not None:
         out.append(pdm_words(questions.pdm_vs_dppo))
+        masks = masks_words(questions.pdm_vs_dppo)
+        out += [masks] if masks else []
     return out
 
 
@@ -111,11 +126,14 @@ def facts_words(f: Facts, methods: Methods) -> str:
 
 
 def setting_words(name: str, methods: Methods, final: Ranking, speed: Ranking, questions: Questions, facts: Facts) -> str:
-    """The setting's summary paragraph (markdown): the answers, both rankings, the facts."""
-    answers = " ".join(question_words(questions))
-    final_words = ranking_words(final, methods, "final held-out accuracy")
-    speed_words = ranking_words(speed, methods, "mean held-out accuracy over the run (learning speed)")
-    return f"**{name}.** {answers} {final_words} {speed_words} {facts_words(facts, methods)}"
+    """The setting's summary (markdown): one bullet per question, then both rankings and the facts."""
+    bullets = [
+        *question_words(questions),
+        ranking_words(final, methods, "final held-out accuracy"),
+        ranking_words(speed, methods, "mean held-out accuracy over the run (learning speed)"),
+        facts_words(facts, methods),
+    ]
+    return f"**{name}**\n\n" + "\n".join(f"- {b}" for b in bullets)
 
 
 def questions_json(questions: Questions) -> dict[str, dict[str, Any] | None]:
@@ -135,9 +153,12 @@ def questions_json(questions: Questions) -> dict[str, dict[str, Any] | None]:
         }
     if (p := questions.pdm_vs_dppo) is not None:
         pairs = {
-            m: {"dppo": r.dppo, "accuracy_diff": r.accuracy_diff.as_dict(), "identical_runs": r.identical_runs, "answer": r.answer}
+            m: {
+                "dppo": r.dppo, "accuracy_diff": r.accuracy_diff.as_dict(), "identical_runs": r.identical_runs,
+                "answer": r.answer, "masks_differ": r.masks_differ, "paired_sd": r.spread, "detectable_80": r.detectable,
+            }
             for m, r in p.pairs.items()
-        }
+        }  # fmt: skip
         pdm = {"pairs": pairs, "differed": p.differed, "words": pdm_words(p)}
     return {"learning": learning, "trust_region": trust, "pdm_vs_dppo": pdm}
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdmask import get_method
-from pdmask.lab.intervals import Interval, compare_methods, mean_ci, paired, pooled_sd
+from pdmask.lab.intervals import Interval, compare_methods, detectable, mean_ci, paired, pooled_sd, sd
 
 Methods = dict[str, dict[str, Any]]
 
@@ -89,6 +89,13 @@ class PdmPair:
     dppo: str
     accuracy_diff: Interval  # pdm − dppo, final held-out accuracy, paired by seed
     identical_runs: bool  # the two gave the same numbers on every seed: their masks never differed
+    masks_differ: float | None  # share of response tokens on which the two masks decided differently (top-K pairs)
+    spread: float  # standard deviation of the per-seed differences pdm − dppo
+
+    @property
+    def detectable(self) -> float:
+        """The true difference these seeds detect with 80% probability (``intervals.detectable``)."""
+        return detectable(self.spread, self.accuracy_diff.n)
 
     @property
     def answer(self) -> str:
@@ -217,16 +224,27 @@ def _trust_region(methods: Methods, best: str) -> TrustRegion:
 
 def _pdm_vs_dppo(methods: Methods) -> PdmVsDppo | None:
     twins = {m: get_method(m).dppo_counterpart for m in methods if m.startswith("pdm_")}
-    pairs = {
-        pdm: PdmPair(
+    pairs = {}
+    for pdm, dppo in twins.items():
+        if dppo not in methods:
+            continue
+        a, b = methods[pdm]["per_seed"]["final_accuracy"], methods[dppo]["per_seed"]["final_accuracy"]
+        pairs[pdm] = PdmPair(
             dppo,
-            paired(methods[pdm]["per_seed"]["final_accuracy"], methods[dppo]["per_seed"]["final_accuracy"]),
+            paired(a, b),
             _strip(methods[pdm]["per_seed"]) == _strip(methods[dppo]["per_seed"]),
+            _masks_differ(methods, pdm, dppo),
+            sd([a[s] - b[s] for s in sorted(set(a) & set(b))]),
         )
-        for pdm, dppo in twins.items()
-        if dppo in methods
-    }
     return PdmVsDppo(pairs) if pairs else None
+
+
+def _masks_differ(methods: Methods, pdm: str, dppo: str) -> float | None:
+    """Mean over both methods' runs of the share of tokens on which pdm's mask and dppo's differ (logged for the
+    top-K estimators against dppo_topk_*; None for other pairs and runs that did not log it)."""
+    key = f"vs_dppo_{pdm.split('_')[1]}"
+    values = [v for m in (pdm, dppo) for v in methods[m]["per_seed"].get(key, {}).values() if v == v]
+    return sum(values) / len(values) if values and dppo.startswith("dppo_topk_") else None
 
 
 def _strip(per_seed: dict[str, dict[int, float]]) -> str:

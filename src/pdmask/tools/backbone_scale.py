@@ -41,7 +41,7 @@ def _policy_and_prompt(name: str) -> tuple[nn.Module, torch.Tensor]:
     task = build_task(cfg.task, **cfg.task_kwargs())
     warm_start(cfg, policy, task)
     problem = task.sample(1, torch.Generator().manual_seed(0))[0]
-    return policy, torch.tensor([[*problem.prompt_ids, *task.answer_ids(problem)]])
+    return policy, torch.tensor([[*problem.prompt_ids, *task.answer_ids(problem, torch.Generator().manual_seed(0))]])
 
 
 def measure(name: str, positions: int, probes: int, seed: int) -> dict[str, list[float]]:
