@@ -174,8 +174,8 @@ def test_a_shape_error_names_the_tensor_that_disagrees_with_the_tokens():
     hidden = message(policy_stats_from_hidden, h, w, a, r, response_mask=mask)
     assert hidden.startswith("hidden has shape (2, 4, 3); expected (2, 5, 3) = tokens' shape (2, 5) + (d,)"), hidden
     tokens = message(policy_loss, "pdm_proportional_tv", z, a[:, :-1], r, adv, mask)  # the others agree with the logits
-    assert tokens.startswith("tokens has shape (2, 4); expected the logits' leading shape (2, 5), which rollout.logp and "
-                             "response_mask share"), tokens  # fmt: skip
+    assert tokens.startswith("tokens has shape (2, 4); expected the logits' leading shape (2, 5), as rollout.logp and "
+                             "response_mask have"), tokens  # fmt: skip
 
 
 def test_non_finite_logits_say_how_many_where_and_whether_in_the_response():

@@ -141,11 +141,13 @@ def check_leading_shape(
     shape, lead = tuple(tokens.shape), source_shape[:-1]
     if lead == shape:
         return shape
-    others = [tuple(x.shape) for x in (rollout.logp, response_mask) if isinstance(x, Tensor)]
-    if others and all(o == lead for o in others):
+    others = {name: tuple(x.shape) for name, x in (("rollout.logp", rollout.logp), ("response_mask", response_mask))
+              if isinstance(x, Tensor)}  # fmt: skip
+    if all(o == lead for o in others.values()):  # rollout.logp is always there: the tokens are the odd one
+        agree = " and ".join(others)
         raise ValueError(
-            f"tokens has shape {shape}; expected the {source}' leading shape {lead}, which rollout.logp"
-            f"{' and response_mask' if len(others) > 1 else ''} share: {ALIGNMENT}."
+            f"tokens has shape {shape}; expected the {source}' leading shape {lead}, as {agree} "
+            f"{'have' if len(others) > 1 else 'has'}: {ALIGNMENT}."
         )
     name, last = ("hidden", "d") if source == "hidden states" else (source, "V")
     raise ValueError(
