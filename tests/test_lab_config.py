@@ -71,7 +71,7 @@ def test_presets_are_valid_and_fair():
             shared = [{k: v for k, v in c.to_dict().items() if k not in varying} for c in configs if c.model == model]
             assert all(s == shared[0] for s in shared)
     default = PRESETS["default"]  # the paper's comparison, enough seeds for a verdict
-    assert {"pg_is", "ppo_clip", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl"} <= set(default.methods)
+    assert {"pg_is", "dppo_topk_kl", "pdm_aggregated_kl", "pdm_uniform_kl"} <= set(default.methods)
     assert len(default.seeds) >= 12 and default.rollout_dtypes == ("fp8",) and default.accuracy == "sampled"
     assert default.base.task == "class_sort" and default.base.delta_kl is None and default.base.top_k == 20  # δ_KL 0.05
     assert PRESETS["sort"].base.task == "sort" and set(PRESETS["sort"].seeds) == set(range(12))
