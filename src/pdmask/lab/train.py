@@ -156,7 +156,8 @@ def tail_metrics(cfg: Config, stats: pdmask.PolicyStats, advantages: Tensor, res
     """How much the top-K predictive estimators' masks differ on one update, and the mass off S = TopK(μ) ∪ {a}.
 
     The masks are those of pdm_{aggregated,uniform,proportional,exactpi}_{kind} (``topk_kind``) with
-    the run's thresholds, on the update's own statistics (they must carry μ's top K and ‖π‖²); they can
+    the run's thresholds, on the update's own statistics (they must carry μ's top K and ‖π‖², and for a TV kind
+    the exactpi sums: ``need_exactpi=True``); they can
     only differ where π or μ keeps mass off S. ``topk/masks_differ_frac``: share of response tokens on
     which they do not all agree; ``topk/paper_tails_differ_frac``: on which the paper's aggregated-tail
     and uniform-tail masks differ; ``topk/vs_dppo_{estimator}_frac``: on which pdm_{estimator}_{kind} and

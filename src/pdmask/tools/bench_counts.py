@@ -3,7 +3,7 @@
 Counted on the CPU (``pdmask.tools.counts``: the same ops a GPU would launch), on a small case; the
 launches of the chunked torch pass are fixed + per chunk, so they are measured with one and two chunks
 and carried to a real shape (V = 151,936, N = 16,384 bf16 by default) with the chunk size each device
-gets (``pdmask.vocab_pass.chunk_rows``). The fused Triton pass launches the same kernels whatever the shape.
+gets (``pdmask.backends.dense.chunk_rows``). The fused Triton pass launches the same kernels whatever the shape.
 """
 
 from __future__ import annotations
