@@ -132,7 +132,7 @@ _OPTIONS = {"num_warps": 4, "enable_fp_fusion": True}
 
 
 def _block(vocab: int, device: torch.device) -> int:
-    """Vocabulary ids per program step: the whole row when it is short, else 4,096 where the kernels compile
+    """Vocabulary ids per program step: the whole row when it is short, else 2,048 where the kernels compile
     (CUDA, or a meta tensor standing for it) and 1,024 in the interpreter (on the CPU, whose cost grows with the block)."""
     import triton
 
