@@ -18,7 +18,7 @@ from pdmask.rollout import RolloutLogprobs
 from pdmask.stats import policy_stats, policy_stats_from_hidden, stats_from_set
 from pdmask.types import FullReductions, PolicyStats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AGG_MODES",
