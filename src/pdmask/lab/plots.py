@@ -65,7 +65,7 @@ def write_plots(settings: dict[str, Any], out: Path) -> dict[str, list[str]]:
         ax.set_ylabel("final held-out accuracy")
         for i, m in enumerate(ms):
             ax.scatter(
-                [i] * len(setting["methods"][m]["per_seed"]["final_accuracy"]),
+                [i - 0.15] * len(setting["methods"][m]["per_seed"]["final_accuracy"]),  # beside the interval
                 list(setting["methods"][m]["per_seed"]["final_accuracy"].values()),
                 color="k",
                 s=10,
