@@ -82,10 +82,14 @@ def seeds_needed(spread: float, effect: float, most: int = 1000) -> int | None:
     return next((n for n in range(2, most + 1) if detectable(spread, n) <= effect), None)
 
 
+def differences(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    """The per-seed differences a − b over the seeds both have, in seed order."""
+    return [a[s] - b[s] for s in sorted(set(a) & set(b))]
+
+
 def paired(a: dict[int, float], b: dict[int, float]) -> Interval:
     """Interval of the per-seed differences a − b over the seeds both have."""
-    seeds = sorted(set(a) & set(b))
-    return mean_ci([a[s] - b[s] for s in seeds])
+    return mean_ci(differences(a, b))
 
 
 def compare_methods(per_seed: dict[str, dict[int, float]], higher_is_better: bool = True) -> dict[str, Any]:
@@ -102,9 +106,5 @@ def compare_methods(per_seed: dict[str, dict[int, float]], higher_is_better: boo
 
 def pooled_sd(per_seed: dict[str, dict[int, float]]) -> float:
     """Seed-to-seed standard deviation pooled over methods."""
-    variances = []
-    for values in map(list, (v.values() for v in per_seed.values())):
-        if len(values) > 1:
-            mean = sum(values) / len(values)
-            variances.append(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    variances = [sd(list(v.values())) ** 2 for v in per_seed.values() if len(v) > 1]
     return math.sqrt(sum(variances) / len(variances)) if variances else 0.0

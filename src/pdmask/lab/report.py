@@ -69,10 +69,11 @@ def power_lines(setting: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def fork_lines(profiles: dict[str, dict[str, float] | None]) -> list[str]:
-    """Markdown lines: each setting's starting policy's fork profile beside SmolLM2-135M's (``pdmask.lab.forks``)."""
-    rows = [(f"{name}: the SFT start", p) for name, p in profiles.items() if p is not None]
-    reference = reference_profile()
+def fork_lines(forks: dict[str, Any]) -> list[str]:
+    """Markdown lines: each setting's starting policy's fork profile beside SmolLM2-135M's (report.json's
+    ``fork_profile``: ``settings`` and ``reference``, ``pdmask.lab.forks``)."""
+    rows = [(f"{name}: the SFT start", p) for name, p in forks["settings"].items() if p is not None]
+    reference = forks["reference"]
     if reference is not None:
         rows.append((f"SmolLM2-135M-Instruct on its analysis prompts ({reference['task']})", reference["profile"]))
     if not rows:
@@ -253,7 +254,7 @@ def _markdown(report: dict[str, Any], settings: dict[str, Any], plots: dict[str,
     lines += ["", "## Summary", ""]
     for name in settings:
         lines += [settings[name]["verdict"], ""]
-    lines += fork_lines(report["fork_profile"]["settings"])
+    lines += fork_lines(report["fork_profile"])
     for name, setting in settings.items():
         lines += [f"## {name}", "", summary_table(setting), ""]
         lines += replication_table(setting)

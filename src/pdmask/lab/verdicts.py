@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdmask import get_method
-from pdmask.lab.intervals import Interval, compare_methods, detectable, mean_ci, paired, pooled_sd, sd
+from pdmask.lab.intervals import Interval, compare_methods, detectable, differences, mean_ci, paired, pooled_sd, sd
 
 Methods = dict[str, dict[str, Any]]
 
@@ -234,7 +234,7 @@ def _pdm_vs_dppo(methods: Methods) -> PdmVsDppo | None:
             paired(a, b),
             _strip(methods[pdm]["per_seed"]) == _strip(methods[dppo]["per_seed"]),
             _masks_differ(methods, pdm, dppo),
-            sd([a[s] - b[s] for s in sorted(set(a) & set(b))]),
+            sd(differences(a, b)),
         )
     return PdmVsDppo(pairs) if pairs else None
 
@@ -242,7 +242,7 @@ def _pdm_vs_dppo(methods: Methods) -> PdmVsDppo | None:
 def _masks_differ(methods: Methods, pdm: str, dppo: str) -> float | None:
     """Mean over both methods' runs of the share of tokens on which pdm's mask and dppo's differ (logged for the
     top-K estimators against dppo_topk_*; None for other pairs and runs that did not log it)."""
-    key = f"vs_dppo_{pdm.split('_')[1]}"
+    key = f"vs_dppo_{get_method(pdm).estimator}"
     values = [v for m in (pdm, dppo) for v in methods[m]["per_seed"].get(key, {}).values() if v == v]
     return sum(values) / len(values) if values and dppo.startswith("dppo_topk_") else None
 
